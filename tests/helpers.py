@@ -1,0 +1,37 @@
+"""Shared test helpers: launching multi-rank checks with torchrun over gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 600, env: dict | None = None) -> str:
+    """Run ``tests/dist/<script>`` on ``nproc`` gloo ranks; fail the test with the output on error."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+        "--master_port", str(_free_port()), str(ROOT / "tests" / "dist" / script), *args,
+    ]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise AssertionError(f"torchrun {script} {' '.join(args)} failed (rc={proc.returncode}):\n{out[-8000:]}")
+    return out
+
+
+def read_results(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
