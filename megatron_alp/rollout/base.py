@@ -41,6 +41,44 @@ class Completion:
             )
 
 
+@dataclass
+class Trajectory:
+    """What the trainer learns from: one response (single- or multi-turn) to one prompt.
+
+    ``response_ids`` holds every token after the prompt (model tokens and, in multi-turn
+    episodes, tool outputs); ``loss_mask`` is 1 on the tokens the policy is trained on and 0 on
+    tool outputs and void turns; ``rollout_logprobs`` is aligned with ``response_ids`` (0.0 where
+    the mask is 0)."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_logprobs: list[float]
+    loss_mask: list[int]
+    response_text: str
+    finish_reason: str
+    num_turns: int = 1
+    info: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        n = len(self.response_ids)
+        if len(self.rollout_logprobs) != n or len(self.loss_mask) != n:
+            raise ValueError(
+                f"trajectory misaligned: {n} response tokens, {len(self.rollout_logprobs)} logprobs, "
+                f"{len(self.loss_mask)} mask entries"
+            )
+
+    @classmethod
+    def from_completion(cls, c: "Completion") -> "Trajectory":
+        return cls(
+            prompt_ids=list(c.prompt_ids),
+            response_ids=list(c.response_ids),
+            rollout_logprobs=list(c.logprobs),
+            loss_mask=[1] * len(c.response_ids),
+            response_text=c.text,
+            finish_reason=c.finish_reason,
+        )
+
+
 class RolloutError(RuntimeError):
     """The engine failed in a way retries did not fix; the message says what and where."""
 
