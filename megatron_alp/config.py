@@ -64,6 +64,11 @@ class ModelConfig(_Section):
     moe_grouped_gemm: bool = Field(
         False, description="Use grouped GEMM experts (GPU with Transformer Engine)."
     )
+    tiny_config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="With `tiny`: Hugging Face config keys overriding the tiny defaults "
+        "(e.g. hidden_size, num_hidden_layers).",
+    )
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -385,6 +390,21 @@ class TrainerConfig(_Section):
     tensorboard: bool = Field(True, description="Also write metrics to TensorBoard.")
     wandb_project: Optional[str] = Field(None, description="Weights & Biases project (optional).")
     progress_bar: bool = Field(True, description="Show a progress bar with ETA on the console.")
+    mismatch_metrics: bool = Field(
+        True,
+        description="Run the unperturbed old-policy logprob pass every iteration even when the loss "
+        "does not need it, for the train-vs-rollout mismatch metrics and token-probability dumps.",
+    )
+    token_prob_samples: int = Field(
+        20000, ge=0, description="Token (train, rollout) probability pairs saved per iteration for plots."
+    )
+    sft_warmup_steps: int = Field(
+        0,
+        ge=0,
+        description="Supervised warm-start steps on the training answers before RL (tiny models only: "
+        "gives a random model a partial skill so rewards are not all zero).",
+    )
+    sft_warmup_lr: float = Field(3e-3, gt=0.0, description="Learning rate of the supervised warm start.")
 
 
 class EvalConfig(_Section):
@@ -412,6 +432,17 @@ class Config(_Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
 
+    @model_validator(mode="after")
+    def _alp_needs_perturbation(self):
+        if self.loss.name.startswith("alp_") and not self.perturbation.enabled:
+            raise ValueError(
+                f"loss.name={self.loss.name} is ALP and needs perturbation.enabled: true "
+                "(the unperturbed single-ratio baseline is seq_bypass)"
+            )
+        if self.trainer.sft_warmup_steps and self.model.tiny is None:
+            raise ValueError("trainer.sft_warmup_steps is for tiny models (model.tiny); start real models from a checkpoint")
+        return self
+
 
 def _format_errors(err: ValidationError, source: str) -> str:
     lines = [f"invalid configuration in {source}:"]
@@ -422,7 +453,9 @@ def _format_errors(err: ValidationError, source: str) -> str:
             msg = "unknown key (see docs/configuration.md for the valid keys)"
         elif e["type"] == "missing":
             msg = "required key is missing"
-        lines.append(f"  {key}: {msg} (got {e.get('input')!r})" if e["type"] != "missing" else f"  {key}: {msg}")
+        got = e.get("input")
+        shown = e["type"] != "missing" and not isinstance(got, (dict, list))
+        lines.append(f"  {key}: {msg} (got {got!r})" if shown else f"  {key}: {msg}")
     return "\n".join(lines)
 
 

@@ -58,6 +58,10 @@ class _CudaToCpuMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # Shim 7: Megatron's optimizers check `param.type() == "torch.cuda.FloatTensor"` (and the
+            # Half/BFloat16 variants); report CPU tensors under the CUDA type names they stand for.
+            return func(*args).replace("torch.", "torch.cuda.", 1)
         if func is torch.Tensor.to:
             args = tuple(torch.device("cpu") if _is_cuda(a) else a for a in args)
         dev = kwargs.get("device")

@@ -29,7 +29,7 @@ def reinit(tp: int = 1, pp: int = 1, sp: bool = False, seed: int = 1, ep: int = 
 
 def build(family: str, par: ParallelConfig, pert: PerturbationConfig | None = None, **model_kw):
     args = hf_to_megatron(tiny_hf_config(family))
-    mcfg = ModelConfig(tiny=family, dtype="float32", layer_spec="local", **model_kw)
+    mcfg = ModelConfig(**{"tiny": family, "dtype": "float32", "layer_spec": "local", **model_kw})
     return build_gpt_model(args, mcfg, par, pert)
 
 

@@ -1,0 +1,432 @@
+"""`megatron-alp train CONFIG.yaml [key=value ...]`: the RL recipe.
+
+One iteration, as in the paper's setup:
+  sample prompts -> rollouts from the inference engine (n per prompt) -> rewards -> group
+  advantages -> [old-policy and reference logprob passes, unperturbed] -> k policy-update
+  mini-batches with the chosen loss (perturbed forward for ALP) -> weight sync to the engine.
+
+Every rank runs this file under torchrun. Prompt sampling is deterministic and identical on all
+ranks; rollouts and rewards are produced once and broadcast; each data-parallel rank trains on
+its share. Randomness is re-derived from (seed, iteration) at the start of every iteration and
+ALP noise from (seed, step, micro-batch, ranks), so a resumed run replays exactly what an
+uninterrupted run would have done.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import yaml
+
+from megatron_alp.config import Config, load_config
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("config", help="YAML config file (see docs/configuration.md)")
+    parser.add_argument("overrides", nargs="*", help="KEY=VALUE overrides, e.g. loss.name=alp_seq")
+
+
+def run(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    trainer = RLTrainer(cfg)
+    try:
+        trainer.setup()
+        trainer.train()
+    finally:
+        trainer.close()
+    return 0
+
+
+def _seed_everything(seed: int) -> None:
+    import random
+
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed(seed)
+
+
+def _mix(*values: int) -> int:
+    from megatron_alp.perturbation import _mix as mix
+
+    return mix(*values) % (2**31)
+
+
+class RLTrainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.trainer.output_dir)
+        self.iteration = 0
+        self.step = 0
+        self.logger = None
+        self.rollout = None
+
+    # ------------------------------------------------------------------------------- setup
+
+    def setup(self) -> None:
+        from megatron.core import parallel_state as ps
+
+        from megatron_alp.data import PromptDataset, PromptSampler, load_tokenizer
+        from megatron_alp.models.families import hf_to_megatron, load_hf_config
+        from megatron_alp.parallel import init_distributed
+        from megatron_alp.rewards import build_reward
+
+        cfg = self.cfg
+        init_distributed(cfg.parallel, seed=cfg.trainer.seed)
+        self.rank = dist.get_rank()
+        self.ps = ps
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        self._check_batch_layout()
+        self.model_dir = self._prepare_model_dir()
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        sampling = cfg.rollout.sampling
+        self.dataset = PromptDataset.from_config(cfg.data, self.tokenizer, sampling.max_prompt_length, split="train")
+        if self.rank == 0 and getattr(self.dataset, "skipped", None):
+            print(f"data: skipped rows {dict(self.dataset.skipped)}", flush=True)
+        self.sampler = PromptSampler(self.dataset, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+        self.reward_fn = build_reward(cfg.reward) if self.rank == 0 else None
+        self.args = hf_to_megatron(load_hf_config(self.model_dir))
+        self._build_models()
+        resumed = self._maybe_resume()
+        self._start_rollout(resumed)
+        from megatron_alp.run_log import RunLogger
+
+        if self.rank == 0:
+            self.logger = RunLogger(
+                self.run_dir,
+                total_iterations=cfg.trainer.iterations,
+                start_iteration=self.iteration,
+                tensorboard=cfg.trainer.tensorboard,
+                wandb_project=cfg.trainer.wandb_project,
+                progress_bar=cfg.trainer.progress_bar,
+                config=cfg.model_dump(mode="json"),
+            )
+
+    def _check_batch_layout(self) -> None:
+        t, n = self.cfg.trainer, self.cfg.rollout.sampling.n
+        dp = self.ps.get_data_parallel_world_size()
+        total = t.prompts_per_iteration * n
+        if total % (dp * t.updates_per_iteration):
+            raise ValueError(
+                f"trainer.prompts_per_iteration * rollout.sampling.n = {total} responses must split evenly "
+                f"into data-parallel size {dp} x trainer.updates_per_iteration {t.updates_per_iteration}"
+            )
+
+    def _prepare_model_dir(self) -> Path:
+        """The HF directory the engine and the Megatron model start from (a tiny model is created,
+        and warm-started if asked, once per run directory)."""
+        cfg = self.cfg
+        if cfg.model.hf_path is not None:
+            path = Path(cfg.model.hf_path)
+            if not (path / "config.json").is_file():
+                raise FileNotFoundError(f"model.hf_path: {path} has no config.json (expected a Hugging Face model dir)")
+            return path
+        path = self.run_dir / "base_model"
+        if self.rank == 0 and not (path / "config.json").is_file():
+            self._make_tiny_base(path)
+        dist.barrier()
+        return path
+
+    def _make_tiny_base(self, path: Path) -> None:
+        import shutil
+
+        from megatron_alp.data import PromptDataset, load_tokenizer
+        from megatron_alp.models.tiny import make_tiny_model
+        from megatron_alp.models.warmstart import warm_start
+
+        cfg = self.cfg
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        make_tiny_model(cfg.model.tiny, tmp, seed=cfg.trainer.seed, **cfg.model.tiny_config)
+        if cfg.trainer.sft_warmup_steps:
+            tok = load_tokenizer(tmp)
+            data = PromptDataset.from_config(cfg.data, tok, cfg.rollout.sampling.max_prompt_length, split="train")
+            examples = [(p.prompt_ids, p.ground_truth) for p in data]
+            stats = warm_start(tmp, examples, tok, steps=cfg.trainer.sft_warmup_steps, lr=cfg.trainer.sft_warmup_lr,
+                               seed=cfg.trainer.seed)
+            print(f"warm start: loss {stats['warmstart/first_loss']:.3f} -> {stats['warmstart/last_loss']:.3f} "
+                  f"in {stats['warmstart/steps']} steps", flush=True)
+        os.replace(tmp, path)
+
+    def _build_models(self) -> None:
+        from megatron_alp.models.builder import build_gpt_model
+        from megatron_alp.models.hf_weights import load_hf_weights
+        from megatron_alp.optim import build_optimizer, wrap_for_training
+        from megatron_alp.policy_loss import needs_old_logprobs
+
+        cfg = self.cfg
+        policy = build_gpt_model(self.args, cfg.model, cfg.parallel, cfg.perturbation)
+        if cfg.model.load is None:
+            load_hf_weights(policy, self.model_dir)
+        self.policy = wrap_for_training(policy, cfg.parallel)
+        total_steps = cfg.trainer.iterations * cfg.trainer.updates_per_iteration
+        self.optimizer, self.scheduler = build_optimizer(
+            self.policy, cfg.optimizer, cfg.perturbation, cfg.parallel, total_steps
+        )
+        if cfg.model.load is not None:
+            from megatron_alp.dist_checkpoint import load_checkpoint
+
+            load_checkpoint(cfg.model.load, self.policy_module, strict=True)
+        self.reference = None
+        if cfg.loss.kl_coef > 0:
+            self.reference = build_gpt_model(self.args, cfg.model, cfg.parallel, perturbation=None)
+            if cfg.model.load is None:
+                load_hf_weights(self.reference, self.model_dir)
+            else:
+                from megatron_alp.dist_checkpoint import load_checkpoint
+
+                load_checkpoint(cfg.model.load, self.reference, strict=False)
+            for p in self.reference.parameters():
+                p.requires_grad_(False)
+        self.need_old = needs_old_logprobs(cfg.loss.name) or cfg.trainer.mismatch_metrics
+
+    @property
+    def policy_module(self):
+        from megatron_alp.optim import unwrap
+
+        return unwrap(self.policy)
+
+    def _maybe_resume(self) -> bool:
+        from megatron_alp.dist_checkpoint import latest_checkpoint, load_checkpoint
+
+        if not self.cfg.trainer.resume:
+            return False
+        ckpt = latest_checkpoint(self.run_dir)
+        if ckpt is None:
+            return False
+        extra = load_checkpoint(ckpt, self.policy_module, optimizer=self.optimizer,
+                                opt_param_scheduler=self.scheduler)
+        self.iteration, self.step = int(extra["iteration"]), int(extra["step"])
+        self.sampler.load_state_dict(extra["sampler"])
+        if self.rank == 0:
+            print(f"resumed from {ckpt} at iteration {self.iteration}, step {self.step}", flush=True)
+        return True
+
+    def _start_rollout(self, resumed: bool) -> None:
+        from megatron_alp.rollout import DistributedRollout
+
+        self.rollout = DistributedRollout(self.cfg.rollout, str(self.model_dir), seed=self.cfg.trainer.seed)
+        if resumed or self.cfg.model.load is not None:
+            self.rollout.sync_weights(self.policy_module)
+
+    # ------------------------------------------------------------------------------- loop
+
+    def train(self) -> None:
+        t = self.cfg.trainer
+        while self.iteration < t.iterations:
+            metrics = self.train_iteration()
+            self.iteration += 1
+            if self.rank == 0:
+                self.logger.log(self.iteration - 1, metrics)
+            if self.iteration % t.save_interval == 0 or self.iteration == t.iterations:
+                self.save()
+
+    def _sampling_params(self):
+        from megatron_alp.rollout.base import SamplingParams
+
+        s = self.cfg.rollout.sampling
+        return SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                              max_tokens=s.max_response_length)
+
+    def _rollouts(self, prompts) -> list:
+        from megatron_alp.rollout.base import Trajectory
+
+        params = self._sampling_params()
+        prompt_ids = [p.prompt_ids for p in prompts]
+        if self.cfg.tir.enabled:
+            from megatron_alp.tir.multi_turn import run_episodes
+
+            return run_episodes(self.rollout, prompt_ids, self.tokenizer, params, self.cfg.tir, self.executor)
+        groups = self.rollout.generate(prompt_ids, params)
+        return [Trajectory.from_completion(c) for group in groups for c in group]
+
+    @property
+    def executor(self):
+        if not hasattr(self, "_executor"):
+            from megatron_alp.tir.sandbox import SandboxExecutor
+
+            self._executor = SandboxExecutor(self.cfg.tir.sandbox)
+        return self._executor
+
+    def _rewards(self, trajectories, prompts) -> torch.Tensor:
+        n = self.cfg.rollout.sampling.n
+        rewards = torch.zeros(len(trajectories), dtype=torch.float32)
+        if self.rank == 0:
+            truths = [prompts[i // n].ground_truth for i in range(len(trajectories))]
+            rewards = torch.tensor(self.reward_fn([t.response_text for t in trajectories], truths), dtype=torch.float32)
+        dist.broadcast(rewards, src=0)
+        return rewards
+
+    def train_iteration(self) -> dict:
+        from megatron_alp.advantages import group_advantages
+        from megatron_alp.metrics import StepMetrics
+        from megatron_alp.optim import learning_rates
+        from megatron_alp.perturbation import gather_sigma_stats
+        from megatron_alp.policy_update import compute_logprobs, train_mini_batch
+        from megatron_alp.rl_batch import build_rl_batch, dp_shard, mini_batches
+
+        cfg, ps = self.cfg, self.ps
+        timing = {}
+        t_start = time.time()
+        _seed_everything(_mix(cfg.trainer.seed, self.iteration))
+        prompts = self.sampler.next_batch(cfg.trainer.prompts_per_iteration)
+
+        t0 = time.time()
+        self.rollout.wake_up()
+        trajectories = self._rollouts(prompts)
+        self.rollout.sleep()
+        timing["timing/rollout_s"] = time.time() - t0
+
+        t0 = time.time()
+        rewards = self._rewards(trajectories, prompts)
+        advantages = group_advantages(rewards, cfg.rollout.sampling.n, cfg.advantage.norm_by_std, cfg.advantage.eps)
+        timing["timing/reward_s"] = time.time() - t0
+
+        batch = build_rl_batch(trajectories, advantages, self.pad_id)
+        local = dp_shard(batch, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+        temperature = cfg.rollout.sampling.temperature
+        mbs = cfg.trainer.micro_batch_size
+        t0 = time.time()
+        if self.need_old:
+            local.old_logprobs = compute_logprobs(self.policy, local, micro_batch_size=mbs,
+                                                  temperature=temperature, pad_id=self.pad_id)
+        timing["timing/old_logprob_s"] = time.time() - t0
+        t0 = time.time()
+        if self.reference is not None:
+            local.ref_logprobs = compute_logprobs(self.reference, local, micro_batch_size=mbs,
+                                                  temperature=temperature, pad_id=self.pad_id)
+        timing["timing/ref_logprob_s"] = time.time() - t0
+
+        t0 = time.time()
+        step_stats = []
+        metric_sets = []
+        for mini in mini_batches(local, cfg.trainer.updates_per_iteration):
+            metrics = StepMetrics()
+            stats = train_mini_batch(
+                self.policy, self.optimizer, mini, loss_cfg=cfg.loss, step=self.step,
+                micro_batch_size=mbs, temperature=temperature, pad_id=self.pad_id, metrics=metrics,
+            )
+            self.scheduler.step(1)
+            self.step += 1
+            step_stats.append(stats)
+            metric_sets.append(metrics.reduce(ps.get_data_parallel_group()) if ps.is_pipeline_last_stage() else {})
+        timing["timing/update_s"] = time.time() - t0
+
+        t0 = time.time()
+        sync_stats = self.rollout.sync_weights(self.policy_module)
+        timing["timing/sync_s"] = time.time() - t0
+        timing["timing/total_s"] = time.time() - t_start
+
+        out = {"step": self.step}
+        out.update(_mean_dicts(metric_sets))
+        out = self._from_last_stage(out)
+        out["reward/mean"] = rewards.mean().item()
+        out["reward/std"] = rewards.std().item() if len(rewards) > 1 else 0.0
+        resp = torch.tensor([len(t.response_ids) for t in trajectories], dtype=torch.float32)
+        out["response_length/mean"] = resp.mean().item()
+        out["response_length/max"] = resp.max().item()
+        out["response/truncated_frac"] = float(np.mean([t.finish_reason == "length" for t in trajectories]))
+        out["grad_norm"] = float(np.mean([s["grad_norm"] for s in step_stats]))
+        out["update/skipped"] = float(sum(not s["update_ok"] for s in step_stats))
+        out.update(learning_rates(self.optimizer))
+        out.update(gather_sigma_stats(self.policy_module))
+        out.update(timing)
+        out.update({k: v for k, v in (sync_stats or {}).items() if isinstance(v, (int, float))})
+        tokens = float(batch.lengths.sum().item())
+        out["throughput/tokens_per_s"] = tokens / max(timing["timing/total_s"], 1e-9)
+        self._dump_token_probs(local)
+        return out
+
+    def _from_last_stage(self, metrics: dict) -> dict:
+        """Loss metrics live on the last pipeline stage; give every rank the same dict."""
+        ps = self.ps
+        last_rank = ps.get_pipeline_model_parallel_last_rank()
+        box = [metrics]
+        dist.broadcast_object_list(box, src=last_rank, group=ps.get_pipeline_model_parallel_group())
+        return box[0]
+
+    def _dump_token_probs(self, local) -> None:
+        """Train (old, unperturbed) vs rollout token probabilities, from the rank that has both."""
+        ps = self.ps
+        n = self.cfg.trainer.token_prob_samples
+        if not n or local.old_logprobs is None or not ps.is_pipeline_last_stage():
+            return
+        if ps.get_data_parallel_rank() != 0 or ps.get_tensor_model_parallel_rank() != 0:
+            return
+        keep = local.loss_mask > 0
+        train = local.old_logprobs[keep].exp().numpy()
+        rollout = local.rollout_logprobs[keep].exp().numpy()
+        if len(train) > n:
+            idx = np.random.default_rng(self.iteration).choice(len(train), n, replace=False)
+            train, rollout = train[idx], rollout[idx]
+        from megatron_alp.run_log import save_token_probs
+
+        save_token_probs(self.run_dir, self.iteration, train, rollout)
+
+    # ------------------------------------------------------------------------------- checkpoints
+
+    def save(self) -> None:
+        from megatron_alp.dist_checkpoint import save_checkpoint
+
+        ckpt = self.run_dir / "checkpoints" / f"iter_{self.iteration:07d}"
+        extra = {"iteration": self.iteration, "step": self.step, "sampler": self.sampler.state_dict()}
+        save_checkpoint(ckpt, self.policy_module, optimizer=self.optimizer, opt_param_scheduler=self.scheduler,
+                        extra=extra, hf_config=None, before_commit=_fault_injection)
+        if self.rank == 0:
+            self._prune_checkpoints()
+        dist.barrier()
+
+    def _prune_checkpoints(self) -> None:
+        import shutil
+
+        root = self.run_dir / "checkpoints"
+        done = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("iter_") and "." not in p.name)
+        for old in done[: -self.cfg.trainer.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def close(self) -> None:
+        if self.logger is not None:
+            self.logger.close()
+        if self.rollout is not None:
+            self.rollout.shutdown()
+        if hasattr(self, "_executor"):
+            self._executor.close()
+        from megatron_alp.parallel import destroy_distributed
+
+        destroy_distributed()
+
+
+def _fault_injection(ckpt_dir: Path) -> None:
+    """Test hook: ``MEGATRON_ALP_KILL_DURING_SAVE=<iteration>`` SIGKILLs this process after the
+    checkpoint's files are written and before it is committed, to prove resumption never trusts a
+    half-written checkpoint."""
+    target = os.environ.get("MEGATRON_ALP_KILL_DURING_SAVE")
+    if target and Path(ckpt_dir).name.startswith(f"iter_{int(target):07d}"):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _mean_dicts(dicts: list[dict]) -> dict:
+    keys = {k for d in dicts for k in d}
+    out = {}
+    for k in sorted(keys):
+        vals = [d[k] for d in dicts if k in d and isinstance(d[k], (int, float)) and np.isfinite(d[k])]
+        if not vals:
+            continue
+        if k.endswith("/min"):
+            out[k] = float(min(vals))
+        elif k.endswith("/max"):
+            out[k] = float(max(vals))
+        else:
+            out[k] = float(np.mean(vals))
+    return out
