@@ -109,3 +109,10 @@ def test_smoke_command(capsys):
     assert main(["smoke", "--family", "qwen3", "--layers", "1-2"]) == 0
     out = capsys.readouterr().out
     assert "decoder.layers.1.alp_perturbation" in out and "decoder.layers.0.alp_perturbation" not in out
+
+
+def test_sigma_optimizer_group_bf16_ddp(tmp_path):
+    """Sigma: own constant LR, no decay, float32 inside a bf16 model, synchronised over DP."""
+    torchrun("check_optimizer.py", str(tmp_path / "r.json"))
+    r = read_results(tmp_path / "r.json")
+    assert all(lr["lr/sigma"] == 5e-2 for lr in r["lrs"]) and r["lrs"][-1]["lr"] < 1e-3
