@@ -92,7 +92,16 @@ class _RngShim:
 class _NullStream:
     """Shim 5: one stand-in for every CUDA stream and event. CPU work is synchronous, so waiting on
     or recording a stream is a no-op; a single instance makes "current stream" and "side stream"
-    compare equal, so Megatron's MoE token dispatcher takes its same-stream path."""
+    compare equal, so Megatron's MoE token dispatcher takes its same-stream path. It is a class
+    (not a factory function) because libraries imported after the shims annotate with
+    ``torch.cuda.Stream | None`` at import time (transformers, vLLM)."""
+
+    _instance = None
+
+    def __new__(cls, *args, **kwargs):
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
 
     def wait_stream(self, other):
         return None
@@ -139,7 +148,7 @@ def apply_cpu_shims() -> bool:
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.empty_cache = lambda *a, **k: None
     # Shim 5: CUDA streams/events used by the MoE dispatchers (see _NullStream).
-    torch.cuda.Stream = lambda *a, **k: _NULL_STREAM
+    torch.cuda.Stream = _NullStream
     torch.cuda.current_stream = lambda *a, **k: _NULL_STREAM
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
     # Shim 6: the MoE all-to-all dispatcher turns split sizes into host numpy arrays by copying

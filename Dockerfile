@@ -1,0 +1,76 @@
+# megatron-alp GPU image: NGC PyTorch + vLLM + Megatron-Core, Transformer Engine, apex +
+# SGLang (own virtual environment) + math-verify + nvidia-modelopt + this package.
+#
+#   docker build -t megatron-alp:gpu .
+#   docker build -t megatron-alp:gpu --build-arg NGC_TAG=25.12 --build-arg VLLM_VERSION=0.33.0 .
+#   bash launch/ngc_run.sh megatron-alp train configs/qwen2.5-math-1.5b_token_alp.yaml
+#
+# Why this layout (the version pins below are the ones it was written for; bump them together):
+# * The trainer drives vLLM from its own Python processes (colocated rollouts, in-place weight updates), so
+#   vLLM, Megatron-Core and Transformer Engine share one torch. vLLM pins an exact torch
+#   (0.33.0: torch==2.14.0) that differs from the NGC image's own build, so vLLM's torch replaces
+#   it, and TE and apex are rebuilt against that torch: the image's prebuilt TE/apex are compiled
+#   for its torch and would fail to load. The NGC image still provides CUDA, cuDNN, NCCL and the
+#   compilers for those builds.
+# * SGLang pins a different torch (0.5.23: torch==2.14.1) and runs as a separate server process
+#   anyway, so it gets its own virtual environment, /opt/sglang; the sglang rollout engine starts
+#   `python -m sglang.launch_server` with the interpreter named by MEGATRON_ALP_SGLANG_PYTHON.
+# * NGC images pin their packages through PIP_CONSTRAINT=/etc/pip/constraint.txt; the pins above
+#   must win, so the constraint is cleared.
+ARG NGC_TAG=25.12
+FROM nvcr.io/nvidia/pytorch:${NGC_TAG}-py3
+
+ARG VLLM_VERSION=0.33.0
+ARG SGLANG_VERSION=0.5.23
+ARG MCORE_VERSION=0.16.1
+ARG TE_VERSION=2.20.2
+ARG APEX_REF=master
+ARG MODELOPT_VERSION=0.47.0
+ARG MATH_VERIFY_VERSION=0.9.0
+ARG MAX_JOBS=16
+
+ENV PIP_CONSTRAINT="" \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    CUDA_DEVICE_MAX_CONNECTIONS=1 \
+    TOKENIZERS_PARALLELISM=false \
+    MEGATRON_ALP_SGLANG_PYTHON=/opt/sglang/bin/python
+
+# 1. vLLM with the torch it pins (replaces the image's torch and torchvision).
+RUN pip uninstall -y transformer-engine transformer-engine-cu12 transformer-engine-torch apex || true \
+ && pip install "vllm==${VLLM_VERSION}"
+
+# 2. Transformer Engine and apex compiled against that torch (fused kernels, FP8, TE layer spec).
+RUN NVTE_FRAMEWORK=pytorch MAX_JOBS=${MAX_JOBS} \
+    pip install --no-build-isolation "transformer_engine[pytorch]==${TE_VERSION}"
+RUN git clone https://github.com/NVIDIA/apex /tmp/apex \
+ && git -C /tmp/apex checkout "${APEX_REF}" \
+ && cd /tmp/apex && APEX_CPP_EXT=1 APEX_CUDA_EXT=1 MAX_JOBS=${MAX_JOBS} pip install --no-build-isolation . \
+ && rm -rf /tmp/apex
+
+# 3. Megatron-Core, rule-based math rewards, FP8 quantization of rollout checkpoints.
+RUN pip install "megatron-core==${MCORE_VERSION}" "math-verify==${MATH_VERIFY_VERSION}" \
+    "nvidia-modelopt[torch]==${MODELOPT_VERSION}"
+
+# 4. SGLang in its own environment (its torch pin conflicts with vLLM's).
+RUN python -m venv /opt/sglang \
+ && /opt/sglang/bin/pip install "sglang[all]==${SGLANG_VERSION}"
+
+# 5. megatron-alp itself (editable, so a mounted checkout at the same path can replace it).
+WORKDIR /workspace/megatron-alp
+COPY pyproject.toml README.md ./
+COPY megatron_alp ./megatron_alp
+COPY checkpoint_tools ./checkpoint_tools
+COPY configs ./configs
+COPY launch ./launch
+COPY data ./data
+RUN pip install -e ".[gpu]"
+
+# Every component is importable (find_spec: no GPU is present while building).
+RUN python -c "import importlib.util as u; mods = ['torch', 'vllm', 'megatron.core', 'transformer_engine', \
+'apex', 'math_verify', 'modelopt', 'megatron_alp']; missing = [m for m in mods if u.find_spec(m) is None]; \
+assert not missing, f'missing: {missing}'" \
+ && /opt/sglang/bin/python -c "import importlib.util as u; assert u.find_spec('sglang'), 'sglang missing'" \
+ && megatron-alp --help > /dev/null
+
+CMD ["bash"]

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Run `megatron-alp train CONFIG [KEY=VALUE ...]` with torchrun on NNODES nodes x GPUS_PER_NODE GPUs.
+# Run the same command on every node, changing only NODE_RANK:
+#
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 bash launch/torchrun_multinode.sh configs/qwen2.5-32b_seq_alp.yaml
+#   NNODES=2 NODE_RANK=1 MASTER_ADDR=node0 bash launch/torchrun_multinode.sh configs/qwen2.5-32b_seq_alp.yaml
+#
+# Environment (defaults in brackets):
+#   NNODES [1]  NODE_RANK [0]  MASTER_ADDR [127.0.0.1]  MASTER_PORT [29500]
+#   GPUS_PER_NODE [number of GPUs nvidia-smi lists]   PYTHON [python]
+#   DRY_RUN=1   print the command instead of running it
+# The config's parallel layout must divide NNODES * GPUS_PER_NODE (the trainer checks and says so).
+# Relative paths in the config (trainer.output_dir, data files) are relative to the current directory.
+set -euo pipefail
+
+usage="usage: [NNODES=N NODE_RANK=R MASTER_ADDR=HOST GPUS_PER_NODE=G] $0 CONFIG.yaml [KEY=VALUE ...]"
+CONFIG=${1:?$usage}
+shift
+[ -f "$CONFIG" ] || { echo "error: config file $CONFIG does not exist" >&2; exit 2; }
+
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+MASTER_PORT=${MASTER_PORT:-29500}
+PYTHON=${PYTHON:-python}
+if [ -z "${GPUS_PER_NODE:-}" ]; then
+  GPUS_PER_NODE=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  [ "$GPUS_PER_NODE" -gt 0 ] || { echo "error: no GPU found by nvidia-smi; set GPUS_PER_NODE" >&2; exit 2; }
+fi
+
+for var in NNODES NODE_RANK MASTER_PORT GPUS_PER_NODE; do
+  [[ ${!var} =~ ^[0-9]+$ ]] || { echo "error: $var must be a non-negative integer (got '${!var}')" >&2; exit 2; }
+done
+[ "$NNODES" -ge 1 ] && [ "$GPUS_PER_NODE" -ge 1 ] || { echo "error: NNODES and GPUS_PER_NODE must be >= 1" >&2; exit 2; }
+[ "$NODE_RANK" -lt "$NNODES" ] || { echo "error: NODE_RANK=$NODE_RANK must be below NNODES=$NNODES" >&2; exit 2; }
+if [ "$NNODES" -gt 1 ] && [[ $MASTER_ADDR == 127.* || $MASTER_ADDR == localhost ]]; then
+  echo "error: with NNODES=$NNODES set MASTER_ADDR to the address of the NODE_RANK=0 node" >&2
+  exit 2
+fi
+
+# Megatron's tensor/sequence-parallel overlap relies on kernels running in issue order.
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+export TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-false}
+
+cmd=("$PYTHON" -m torch.distributed.run
+     --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$GPUS_PER_NODE"
+     --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT"
+     -m megatron_alp.cli train "$CONFIG" "$@")
+
+echo "node $NODE_RANK/$NNODES, $GPUS_PER_NODE GPUs, master $MASTER_ADDR:$MASTER_PORT" >&2
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  printf '%q ' "${cmd[@]}"
+  echo
+  exit 0
+fi
+exec "${cmd[@]}"

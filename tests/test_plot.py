@@ -1,0 +1,113 @@
+"""`megatron-alp plot`: figures from a synthetic run directory in the trainer's metrics layout."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from megatron_alp.cli import main as cli_main
+from megatron_alp.plot import Run, make_plots, pearson_r
+
+LAYERS = 4
+
+
+def write_run(run_dir, iterations=30, *, sigma=True, ratios=True, token_probs=(10, 29), tail=1.0, seed=0):
+    """A metrics.jsonl with every key the trainer writes (16 optimizer steps per iteration)."""
+    rng = np.random.default_rng(seed)
+    run_dir.mkdir(parents=True)
+    lines = []
+    for it in range(iterations):
+        rec = {"iteration": it, "step": 16 * (it + 1), "reward/mean": 0.2 + 0.5 * it / iterations,
+               "response_length/mean": 30 + it, "loss/policy": -0.01, "loss/total": -0.01,
+               "clip/low_frac": 0.01, "clip/high_frac": 0.02, "clip/dual_frac": 0.0, "mask/frac": 1.0,
+               "mismatch/kl_k1": 1e-3 * (1 + it), "mismatch/kl_k3": 5e-4 * (1 + it), "mismatch/chi2": 2e-3,
+               "mismatch/pearson_r": 0.99, "entropy/mean": 1.5 - it / iterations, "grad_norm": 0.5 + rng.random(),
+               "lr": 1e-6, "timing/total_s": 3.0, "throughput/tokens_per_s": 1000.0}
+        if ratios:
+            spread = 0.05 + tail * 0.01 * it  # log-ratio quantiles widen over training
+            rec.update({"ratio/p2": math.exp(-2 * spread), "ratio/p5": math.exp(-spread), "ratio/p50": 1.0,
+                        "ratio/p95": math.exp(spread), "ratio/p98": math.exp(2 * spread),
+                        "ratio/min": 0.1, "ratio/max": 9.0})
+        if sigma:
+            for layer in range(LAYERS):
+                s = 1e-4 * (1 + it * (layer + 1) / 10)
+                rec.update({f"sigma/layer_{layer:02d}/mean": s, f"sigma/layer_{layer:02d}/min": s / 2,
+                            f"sigma/layer_{layer:02d}/max": 2 * s})
+            rec["sigma/mean"] = 2e-4
+        lines.append(json.dumps(rec))
+    lines.append('{"iteration": 30, "step": 4')  # a line cut short by a kill
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    for it in token_probs:
+        rollout = rng.random(5000)
+        train = np.clip(rollout + rng.normal(0, 0.05, 5000), 0, 1)
+        (run_dir / "token_probs").mkdir(exist_ok=True)
+        np.savez(run_dir / "token_probs" / f"iter_{it:06d}.npz", train_prob=train.astype(np.float32),
+                 rollout_prob=rollout.astype(np.float32))
+    return run_dir
+
+
+def _is_png(path):
+    return path.is_file() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+
+
+def test_all_figures_written(tmp_path, capsys):
+    run = write_run(tmp_path / "alp")
+    assert cli_main(["plot", str(run), "--iteration", "10"]) == 0
+    out = capsys.readouterr().out
+    expected = ["reward", "ratio_envelope", "mismatch_kl", "entropy", "grad_norm", "response_length",
+                "sigma_layers", "token_prob_scatter", "overview"]
+    for name in expected:
+        assert _is_png(run / "plots" / f"{name}.png"), name
+        assert f"{name}:" in out
+    assert "skipped 1 unreadable line" in out
+    assert not list((run / "plots").glob(".*tmp*")), "temporary files left behind"
+
+
+def test_missing_keys_are_skipped_with_a_note(tmp_path):
+    run = write_run(tmp_path / "grpo", sigma=False, ratios=False, token_probs=())
+    notes = []
+    written = make_plots([run], iteration=None, log=notes.append)
+    assert "reward" in written and "overview" in written
+    assert "ratio_envelope" not in written and "sigma_layers" not in written
+    assert "token_prob_scatter" not in written
+    text = "\n".join(notes)
+    assert "ratio_envelope.png" in text and "sigma_layers.png" in text and "token_prob_scatter.png" in text
+
+
+def test_several_runs_are_overlaid(tmp_path):
+    a = write_run(tmp_path / "alp")
+    b = write_run(tmp_path / "bypass", sigma=False, tail=10.0, seed=1)
+    written = make_plots([a, b], out_dir=tmp_path / "cmp", log=lambda _: None)
+    assert {"token_prob_scatter_alp", "token_prob_scatter_bypass", "sigma_layers_alp", "ratio_envelope"} <= set(written)
+    assert "sigma_layers_bypass" not in written
+    assert all(p.parent == tmp_path / "cmp" for p in written.values())
+
+
+def test_series_and_sites(tmp_path):
+    run = Run(write_run(tmp_path / "r", iterations=5))
+    assert run.x_key == "step" and run.bad_lines == 1
+    x, y = run.series("reward/mean")
+    assert list(x) == [16, 32, 48, 64, 80] and y[0] == pytest.approx(0.2)
+    assert run.sigma_sites() == [f"layer_{i:02d}" for i in range(LAYERS)]
+    assert run.series("no/such/key") is None
+    assert run.token_prob_file(None).name == "iter_000029.npz"
+    assert run.token_prob_file(3) is None
+
+
+def test_pearson_r():
+    rng = np.random.default_rng(0)
+    a = rng.random(1000)
+    assert pearson_r(a, 2 * a + 1) == pytest.approx(1.0)
+    assert abs(pearson_r(a, rng.random(1000))) < 0.1
+    assert math.isnan(pearson_r(a, np.ones(1000)))
+
+
+def test_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
+        make_plots([tmp_path])
+    (tmp_path / "metrics.jsonl").write_text("not json\n")
+    with pytest.raises(ValueError, match="no metric records"):
+        make_plots([tmp_path])
