@@ -99,7 +99,7 @@ def test_family_and_layout_errors():
     with pytest.raises(ValueError, match="sequence_parallel must be true for a mixture-of-experts"):
         check_parallel_layout(moe, ParallelConfig(tensor_model_parallel_size=2))
     q3 = hf_to_megatron(tiny_hf_config("qwen3"))
-    assert q3.transformer["kv_channels"] == 32 and q3.transformer["qk_layernorm"]
+    assert q3.transformer["kv_channels"] == 64 and q3.transformer["qk_layernorm"]
     assert not q3.transformer["add_qkv_bias"] and args.transformer["add_qkv_bias"]
 
 

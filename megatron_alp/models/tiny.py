@@ -25,9 +25,10 @@ CHAT_TEMPLATE = (
 
 TINY_VOCAB = 512
 
+# vLLM's CPU attention needs head_dim >= 32: hidden 128 over 4 heads.
 _BASE = dict(
-    hidden_size=64,
-    intermediate_size=128,
+    hidden_size=128,
+    intermediate_size=256,
     num_hidden_layers=4,
     num_attention_heads=4,
     num_key_value_heads=2,
@@ -45,11 +46,11 @@ TINY_CONFIGS: dict[str, dict] = {
     "qwen2": dict(_BASE, model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True,
                   rope_theta=10000.0),
     "qwen3": dict(_BASE, model_type="qwen3", architectures=["Qwen3ForCausalLM"], tie_word_embeddings=True,
-                  head_dim=32, rope_theta=1000000.0, attention_bias=False),
+                  head_dim=64, rope_theta=1000000.0, attention_bias=False),
     "llama": dict(_BASE, model_type="llama", architectures=["LlamaForCausalLM"], tie_word_embeddings=False,
                   rope_theta=500000.0, attention_bias=False, mlp_bias=False),
     "qwen3_moe": dict(_BASE, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
-                      tie_word_embeddings=False, head_dim=16, rope_theta=1000000.0, num_experts=4,
+                      tie_word_embeddings=False, head_dim=32, rope_theta=1000000.0, num_experts=4,
                       num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                       decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0),
 }
