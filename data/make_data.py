@@ -4,6 +4,9 @@
   numbers below 50, in the paper's (verl) prompt format, for the CPU quickstart, where a tiny
   4-layer model is briefly warm-started on them and then trained with RL. Train and val share
   no problem.
+* ``digits/train.jsonl`` (465) and ``digits/val.jsonl`` (155): every one-digit a + b and a - b
+  (a >= b) in each phrasing; the CPU quickstart's task, small enough for a tiny model to memorise
+  partly in a short warm start so that RL has something to improve. val holds each problem once.
 * ``arith/sample.parquet``: the first 32 val problems as parquet (same columns, nested).
 * ``benchmarks/*``: a handful of rows in each math benchmark's published column layout
   (Math500, Minerva, OlympiadBench, AIME24, AIME25), with synthetic problems, to test
@@ -55,6 +58,12 @@ def arithmetic_problems(rng: random.Random) -> list[tuple[str, int]]:
     return out
 
 
+def digit_problems() -> list[tuple[str, int, str]]:
+    """(question, answer, template) for every one-digit a + b and a - b with a >= b."""
+    pairs = [(a, "+", b) for a in range(10) for b in range(10)] + [(a, "-", b) for a in range(10) for b in range(a + 1)]
+    return [(t.format(a=a, op=op, b=b), a + b if op == "+" else a - b, t) for a, op, b in pairs for t in TEMPLATES]
+
+
 def verl_row(question: str, answer: int, split: str, index: int) -> dict:
     return {
         "data_source": "arith",
@@ -104,6 +113,11 @@ def main(out: Path) -> None:
     write_parquet(out / "arith" / "sample.parquet", val[:32])
     for name, (fmt, rows) in benchmark_rows(rng).items():
         (write_jsonl if fmt == "jsonl" else write_parquet)(out / "benchmarks" / name, rows)
+    digits = digit_problems()
+    random.Random(SEED).shuffle(digits)
+    write_jsonl(out / "digits" / "train.jsonl", [verl_row(q, x, "train", i) for i, (q, x, _) in enumerate(digits)])
+    once = [(q, x) for q, x, t in digits if t == TEMPLATES[0]]
+    write_jsonl(out / "digits" / "val.jsonl", [verl_row(q, x, "val", i) for i, (q, x) in enumerate(once)])
 
 
 if __name__ == "__main__":
