@@ -247,7 +247,9 @@ class RLTrainer:
         if self.cfg.tir.enabled:
             from megatron_alp.tir.multi_turn import run_episodes
 
-            return run_episodes(self.rollout, prompt_ids, self.tokenizer, params, self.cfg.tir, self.executor)
+            # code runs on rank 0 only and its output is broadcast, so every rank's episodes agree
+            return run_episodes(self.rollout, prompt_ids, self.tokenizer, params, self.cfg.tir,
+                                self.executor if self.rank == 0 else None, broadcast=self.rollout._broadcast)
         groups = self.rollout.generate(prompt_ids, params)
         return [Trajectory.from_completion(c) for group in groups for c in group]
 

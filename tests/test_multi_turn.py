@@ -1,0 +1,370 @@
+"""Multi-turn TIR rollouts: token-by-token masks and logprob alignment, length and turn limits,
+containment of hostile code through the whole driver, and a run on a real vLLM engine."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from megatron_alp.config import SandboxConfig, TIRConfig
+from megatron_alp.rollout.base import Completion, RolloutEngine, SamplingParams
+from megatron_alp.tir.multi_turn import CODE_STOP, find_code, format_output, run_episodes
+from megatron_alp.tir.sandbox import SandboxExecutor
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from megatron_alp.models.tiny import make_tiny_model
+
+    return make_tiny_model("qwen2", tmp_path_factory.mktemp("tir") / "model")
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+@pytest.fixture(scope="module")
+def executor():
+    with SandboxExecutor(SandboxConfig(cpu_time_s=1.0, wall_time_s=8.0, memory_mb=512, max_output_bytes=1024,
+                                       workers=4)) as ex:
+        yield ex
+
+
+class CountingExecutor:
+    """The real executor, counting its batches (the driver must send one batch per turn)."""
+
+    def __init__(self, inner):
+        self.inner, self.batches = inner, []
+
+    def run_many(self, codes):
+        self.batches.append(len(codes))
+        return self.inner.run_many(codes)
+
+
+class ScriptedPolicy(RolloutEngine):
+    """A policy with fixed responses: each prompt has a script of generation segments, consumed one
+    per request for that episode, cut at stop strings and ``max_tokens`` like an engine does. The
+    logprob of the token at absolute position p is -(p + 1)/1000, so alignment is checkable."""
+
+    name = "scripted"
+
+    def __init__(self, tokenizer, scripts: dict[str, list[str]], prompts: dict[str, list[int]]):
+        self.tok = tokenizer
+        self.state = {tuple(prompts[k]): (k, 0) for k in scripts}
+        self.scripts = scripts
+        self.calls: list[tuple[int, SamplingParams]] = []
+        self.emitted: dict[str, list[tuple[int, list[int]]]] = {k: [] for k in scripts}
+        self.prompt_len = {k: len(prompts[k]) for k in scripts}
+
+    def generate(self, prompts, params):
+        self.calls.append((len(prompts), params))
+        out = []
+        for ctx in prompts:
+            key = max((k for k in self.state if tuple(ctx[: len(k)]) == k), key=len)
+            name, idx = self.state[key]
+            c = self._complete(ctx, self.scripts[name][idx], params)
+            self.emitted[name].append((len(ctx) - self.prompt_len[name], c.response_ids))
+            self.state[tuple(ctx) + tuple(c.response_ids)] = (name, idx + 1)
+            out.append([c] + [replace(c) for _ in range(params.n - 1)])
+        return out
+
+    def _complete(self, ctx, text, params) -> Completion:
+        stop_at, reason = None, None
+        for s in params.stop:
+            i = text.find(s)
+            if i >= 0 and (stop_at is None or i < stop_at):
+                stop_at, reason = i + len(s), s
+        if stop_at is not None:
+            ids = self.tok.encode(text[:stop_at], add_special_tokens=False)
+        else:
+            ids = self.tok.encode(text, add_special_tokens=False) + [self.tok.eos_token_id]
+        finish = "stop"
+        if len(ids) > params.max_tokens:
+            ids, finish, reason = ids[: params.max_tokens], "length", None
+        logprobs = [-(len(ctx) + j + 1) / 1000 for j in range(len(ids))]
+        return Completion(list(ctx), ids, logprobs, finish, text=self.tok.decode(ids), stop_reason=reason)
+
+    def update_weights(self, weights):
+        pass
+
+
+def encode_chat(tok, question: str) -> list[int]:
+    text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+    return tok.encode(text, add_special_tokens=False)
+
+
+def _rollout(tok, scripts, executor, cfg=None, max_tokens=400, n=1):
+    prompts = {name: encode_chat(tok, f"Problem {name}") for name in scripts}
+    policy = ScriptedPolicy(tok, scripts, prompts)
+    params = SamplingParams(n=n, max_tokens=max_tokens)
+    trajs = run_episodes(policy, [prompts[k] for k in scripts], tok, params, cfg or TIRConfig(enabled=True), executor)
+    return policy, dict(zip(scripts, trajs[::n])), trajs
+
+
+def check_alignment(tok, policy, name, traj, void_chunks=(), tool_texts=None):
+    """Token by token: model chunks where the policy put them, everything else is tool feedback;
+    mask 1 exactly on non-void model tokens; logprobs the policy's there and 0.0 elsewhere."""
+    assert traj.prompt_ids == list(next(k for k, v in policy.state.items() if v == (name, 0)))
+    n = len(traj.response_ids)
+    model = [False] * n
+    expected_mask = [0] * n
+    for ci, (start, ids) in enumerate(policy.emitted[name]):
+        kept = ids[: max(0, n - start)]
+        assert traj.response_ids[start: start + len(kept)] == kept, f"{name}: chunk {ci} misplaced"
+        for j in range(start, start + len(kept)):
+            model[j] = True
+            expected_mask[j] = 0 if ci in void_chunks else 1
+    assert traj.loss_mask == expected_mask, name
+    p = len(traj.prompt_ids)
+    for j in range(n):
+        want = -(p + j + 1) / 1000 if expected_mask[j] else 0.0
+        assert math.isclose(traj.rollout_logprobs[j], want, abs_tol=1e-12), (name, j)
+    gaps, j = [], 0
+    while j < n:
+        if model[j]:
+            j += 1
+            continue
+        k = j
+        while k < n and not model[k]:
+            k += 1
+        gaps.append(tok.decode(traj.response_ids[j:k], skip_special_tokens=False))
+        j = k
+    if tool_texts is not None:
+        assert gaps == tool_texts, name
+    return gaps
+
+
+def test_find_code_and_output_format():
+    assert find_code("Compute:\n```python\nprint(1)\n```\n") == "print(1)\n"
+    assert find_code("```py\nx = 1\n```\n  \n") == "x = 1\n"
+    assert find_code("```python\nprint(1)\n```\nand then more text") is None
+    assert find_code("```\nnot python\n```\n") is None
+    assert find_code("```python\nprint(1)\n") is None
+    assert format_output("42\n") == "```output\n42\n```\n"
+
+
+def test_masks_and_logprobs_token_by_token(tok, executor):
+    scripts = {
+        "code_then_answer": ["Let me compute.\n```python\nprint(6 * 7)\n```\n", "It is 42, so \\boxed{42}."],
+        "fence_code_void": ["Think.\n```\n", "More.\n```python\nprint('ab' * 2)\n```\n", "I give up."],
+        "answer_only": ["Easy: \\boxed{1}."],
+        "void_only": ["Nothing to say."],
+        "turn_limit": ["```python\n1/0\n```\n", "```python\nprint(1)\n```\n", "```python\nprint(2)\n```\n",
+                       "\\boxed{3}"],
+    }
+    cfg = TIRConfig(enabled=True, max_turns=2)
+    ex = CountingExecutor(executor)
+    policy, t, _ = _rollout(tok, scripts, ex, cfg)
+    check_alignment(tok, policy, "code_then_answer", t["code_then_answer"], tool_texts=["```output\n42\n```\n"])
+    check_alignment(tok, policy, "fence_code_void", t["fence_code_void"], void_chunks={2},
+                    tool_texts=["```output\nabab\n```\n"])
+    check_alignment(tok, policy, "answer_only", t["answer_only"], tool_texts=[])
+    check_alignment(tok, policy, "void_only", t["void_only"], void_chunks={0}, tool_texts=[])
+    gaps = check_alignment(tok, policy, "turn_limit", t["turn_limit"])
+    assert len(gaps) == 2 and "ZeroDivisionError" in gaps[0] and gaps[1] == "```output\n1\n```\n"
+    summary = {k: (v.finish_reason, v.num_turns, v.info["executions"], v.info["void_turns"]) for k, v in t.items()}
+    assert summary == {
+        "code_then_answer": ("stop", 2, 1, 0),
+        "fence_code_void": ("stop", 2, 1, 1),  # the bare fence does not end a turn
+        "answer_only": ("stop", 1, 0, 0),
+        "void_only": ("stop", 1, 0, 1),
+        "turn_limit": ("max_turns", 3, 2, 0),  # the third code block is not executed
+    }
+    assert t["turn_limit"].info["tool_status"] == {"error": 1, "ok": 1}
+    assert ex.batches == [2, 2]  # one executor batch per turn
+    assert [n for n, _ in policy.calls] == [5, 3, 2]  # one engine call per turn, active episodes only
+    assert all(CODE_STOP in p.stop and p.include_stop_str_in_output for _, p in policy.calls)
+    kinds = [s[0] for s in t["fence_code_void"].info["segments"]]
+    assert kinds == ["model", "tool", "void"]
+    assert t["code_then_answer"].response_text.endswith("so \\boxed{42}.")
+
+
+def test_void_turns_kept_when_not_masked(tok, executor):
+    scripts = {"void_only": ["Nothing to say."], "code_void": ["```python\nprint(5)\n```\n", "hmm"]}
+    policy, t, _ = _rollout(tok, scripts, executor, TIRConfig(enabled=True, mask_void_turns=False))
+    check_alignment(tok, policy, "void_only", t["void_only"], tool_texts=[])
+    check_alignment(tok, policy, "code_void", t["code_void"], tool_texts=["```output\n5\n```\n"])
+    assert t["void_only"].info["void_turns"] == 1 and t["code_void"].info["void_turns"] == 1
+
+
+def test_length_limit_covers_the_whole_episode(tok, executor):
+    long_answer = "word " * 200
+    scripts = {
+        "big_output": ["```python\nprint('z' * 3000)\n```\n", "\\boxed{1}"],
+        "short_then_long": ["```python\nprint(1)\n```\n", long_answer],
+        "long_first": [long_answer],
+    }
+    budget = 120
+    policy, t, _ = _rollout(tok, scripts, executor, max_tokens=budget)
+    big = t["big_output"]
+    assert big.finish_reason == "length" and len(big.response_ids) == budget
+    assert big.loss_mask[-1] == 0 and big.info["executions"] == 1  # the output was cut to fit
+    gaps = check_alignment(tok, policy, "big_output", big)
+    assert gaps[0].startswith("```output\nzzz") and len(gaps) == 1
+    for name in ("short_then_long", "long_first"):
+        assert t[name].finish_reason == "length" and len(t[name].response_ids) == budget
+        check_alignment(tok, policy, name, t[name])
+    first_call, second_call = policy.calls[0][1], policy.calls[1][1]
+    assert first_call.max_tokens == budget
+    used = len(t["short_then_long"].response_ids) - len(policy.emitted["short_then_long"][1][1][:budget])
+    assert second_call.max_tokens == budget - used  # per-turn budget shrinks with what was used
+
+
+def test_n_samples_per_prompt(tok, executor):
+    scripts = {"a": ["```python\nprint(2 + 2)\n```\n", "\\boxed{4}"], "b": ["\\boxed{5}"]}
+    policy, _, trajs = _rollout(tok, scripts, executor, n=3)
+    assert len(trajs) == 6
+    assert [t.num_turns for t in trajs] == [2, 2, 2, 1, 1, 1]
+    assert policy.calls[0][0] == 2 and policy.calls[0][1].n == 3
+    assert policy.calls[1][0] == 3 and policy.calls[1][1].n == 1
+    assert len({tuple(t.response_ids) for t in trajs[:3]}) == 1
+
+
+def test_chat_tool_format(tok, executor):
+    scripts = {"chat": ["Compute.\n```python\nprint(6 * 7)\n```", "\\boxed{42}"]}  # code, then end of turn
+    policy, t, _ = _rollout(tok, scripts, executor, TIRConfig(enabled=True, tool_format="chat"))
+    gaps = check_alignment(tok, policy, "chat", t["chat"])
+    assert gaps == ["\n<|im_start|>tool\n```output\n42\n```<|im_end|>\n<|im_start|>assistant\n"]
+    assert t["chat"].response_ids[len(policy.emitted["chat"][0][1]) - 1] == tok.eos_token_id
+    assert t["chat"].num_turns == 2 and t["chat"].finish_reason == "stop"
+
+
+def _tree_digest(d: Path) -> dict:
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir" for p in sorted(d.rglob("*"))}
+
+
+def test_hostile_code_is_contained(tok, executor, tmp_path, monkeypatch):
+    """The issue's scripted policy: each kind of hostile code runs inside a real episode."""
+    run_dir = tmp_path / "trainer_run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "model.pt").write_bytes(os.urandom(2048))
+    (run_dir / "config.yaml").write_text("lr: 1e-6\n")
+    monkeypatch.setenv("ALP_TRAINER_TOKEN", "s3cr3t-token")
+    before = _tree_digest(run_dir)
+    codes = {
+        "succeeds": ("print(sum(range(10)))", lambda o: o == "45"),
+        "raises": ("raise ValueError('bad input')", lambda o: "ValueError: bad input" in o),
+        "loops_forever": ("while True:\n    pass", lambda o: "CPU time limit exceeded" in o),
+        "allocates": ("a = []\nwhile True:\n    a.append(bytearray(10**7))",
+                      lambda o: "MemoryError" in o or "CPU time limit" in o),
+        "forks": ("import os\nwhile True:\n    os.fork()",
+                  lambda o: "BlockingIOError" in o or "timed out" in o or "limit" in o),
+        "writes_outside": (f"open({str(run_dir / 'config.yaml')!r}, 'w').write('pwned')",
+                           lambda o: "PermissionError" in o or "Read-only" in o or "No such file" in o),
+        "reads_env": ("import os\nprint(dict(os.environ))", lambda o: "s3cr3t" not in o and "PATH" in o),
+        "opens_socket": ("import socket\nsocket.create_connection(('127.0.0.1', 22))",
+                         lambda o: "network access is disabled" in o),
+        "prints_megabytes": ("print('y' * 4_000_000)", lambda o: "[output truncated:" in o),
+    }
+    scripts = {k: [f"```python\n{code}\n```\n", "So \\boxed{1}."] for k, (code, _) in codes.items()}
+    policy, t, _ = _rollout(tok, scripts, executor, max_tokens=2000)
+    for name, (_, ok) in codes.items():
+        traj = t[name]
+        assert (traj.finish_reason, traj.num_turns, traj.info["executions"]) == ("stop", 2, 1), name
+        (gap,) = check_alignment(tok, policy, name, traj)
+        out = re.fullmatch(r"```output\n(.*)\n```\n", gap, re.DOTALL).group(1)
+        assert ok(out), (name, out[-300:])
+        assert "s3cr3t" not in traj.response_text
+    assert _tree_digest(run_dir) == before
+    again = _rollout(tok, {"after": scripts["succeeds"]}, executor)[1]["after"]  # the trainer keeps going
+    assert "45" in again.response_text
+
+
+# ---------------------------------------------------------------------------- real vLLM engine
+
+
+class VLLMAdapter(RolloutEngine):
+    """Minimal RolloutEngine over vllm.LLM for this test. A regex (vLLM structured outputs) steers
+    the random tiny model into the TIR format, so real sampled code reaches the sandbox."""
+
+    name = "vllm-test"
+
+    def __init__(self, model_dir, regex):
+        from vllm import LLM
+
+        self.llm = LLM(model=str(model_dir), dtype="bfloat16", max_model_len=512, enforce_eager=True, seed=0)
+        self.regex = regex
+
+    @property
+    def max_model_len(self):
+        return 512
+
+    def generate(self, prompts, params):
+        from vllm import SamplingParams as VSP
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import StructuredOutputsParams
+
+        sp = VSP(n=params.n, temperature=params.temperature, max_tokens=params.max_tokens, logprobs=0,
+                 stop=list(params.stop), include_stop_str_in_output=params.include_stop_str_in_output,
+                 structured_outputs=StructuredOutputsParams(regex=self.regex))
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+        groups = []
+        for p, o in zip(prompts, outs):
+            groups.append([Completion(list(p), list(c.token_ids),
+                                      [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
+                                      c.finish_reason, c.text, c.stop_reason) for c in o.outputs])
+        return groups
+
+    def update_weights(self, weights):
+        raise NotImplementedError
+
+    def shutdown(self):
+        del self.llm
+
+
+def test_tir_rollouts_on_real_vllm(model_dir, tok, executor, tmp_path, monkeypatch):
+    if "VLLM_CACHE_ROOT" not in os.environ:
+        monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm_cache"))
+    # code turns, final answers and void turns, all sampled by the model
+    regex = (r"(Check|Compute|Verify|Test|Run|Try|Calc):\n```python\nprint\([1-9] \* [1-9]\)\n```\n"
+             r"|So \\boxed\{[0-9]{1,2}\}\.|Hmm\.")
+    engine = VLLMAdapter(model_dir, regex)
+    prompts = [encode_chat(tok, q) for q in ("What is 3 * 4?", "What is 7 * 8?")]
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=160)
+    cfg = TIRConfig(enabled=True, max_turns=2)
+    executions, kinds = 0, set()
+    try:
+        for _ in range(2):  # rollout iterations
+            trajs = run_episodes(engine, prompts, tok, params, cfg, executor)
+            assert len(trajs) == 6
+            for t in trajs:
+                n = len(t.response_ids)
+                assert 0 < n <= 160 and len(t.loss_mask) == len(t.rollout_logprobs) == n
+                assert t.finish_reason in ("stop", "length", "max_turns")
+                covered = 0
+                for kind, start, end in t.info["segments"]:
+                    kinds.add(kind)
+                    assert start == covered
+                    covered = end
+                    want = 1 if kind == "model" else 0
+                    assert t.loss_mask[start:end] == [want] * (end - start)
+                    if kind == "model":
+                        assert all(-50 < lp <= 0 for lp in t.rollout_logprobs[start:end])
+                    else:
+                        assert t.rollout_logprobs[start:end] == [0.0] * (end - start)
+                assert covered == n
+                text = tok.decode(t.response_ids)
+                for a, b, out in re.findall(r"print\((\d) \* (\d)\)\n```\n```output\n(.*?)\n```", text):
+                    assert int(out) == int(a) * int(b)  # the model's own code ran in the sandbox
+                    executions += 1
+                assert t.info["executions"] == text.count("```output")
+    finally:
+        engine.shutdown()
+    assert executions > 0 and {"model", "tool"} <= kinds
+
+
+def test_ranks_agree_with_the_broadcast_hook(model_dir):
+    """2 gloo ranks: code whose output is random yields identical episodes on both ranks."""
+    from helpers import torchrun
+
+    out = torchrun("check_tir_ranks.py", str(model_dir), timeout=300)
+    assert "TIR ranks OK" in out
