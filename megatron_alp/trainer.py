@@ -231,6 +231,18 @@ class RLTrainer:
                 self.logger.log(self.iteration - 1, metrics)
             if self.iteration % t.save_interval == 0 or self.iteration == t.iterations:
                 self.save()
+                self._plot()
+
+    def _plot(self) -> None:
+        """Redraw the diagnostic figures (rank 0) whenever a checkpoint lands."""
+        if self.rank != 0:
+            return
+        from megatron_alp.plot import make_plots
+
+        try:
+            make_plots([self.run_dir], log=lambda msg: None)
+        except Exception as err:  # a figure must never take the run down
+            print(f"plot: skipped ({err})", flush=True)
 
     def _sampling_params(self):
         from megatron_alp.rollout.base import SamplingParams
