@@ -1,0 +1,158 @@
+"""Fused chunked token logprobs/entropy: values and gradients vs the plain log_softmax path, what
+the backward keeps, bad input, and temperature applied as the real vLLM engine applies it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_alp.logprobs import reference_token_logprobs, token_logprobs
+
+
+def _random(b, s, v, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(b, s, v, generator=g) * 4).to(dtype)
+    targets = torch.randint(0, v, (b, s), generator=g)
+    return logits, targets
+
+
+def _fwd_bwd(fn, logits, targets, temperature, with_entropy, seed=1, **kw):
+    leaf = logits.clone().requires_grad_()
+    lp, ent = fn(leaf, targets, temperature=temperature, with_entropy=with_entropy, **kw)
+    g = torch.Generator().manual_seed(seed)
+    loss = (lp * torch.randn(lp.shape, generator=g)).sum()
+    if with_entropy:
+        loss = loss + (ent * torch.randn(ent.shape, generator=g)).sum()
+    loss.backward()
+    return lp.detach(), (ent.detach() if ent is not None else None), leaf.grad
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 7), (3, 7, 50), (2, 33, 1000)])
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 1.7])
+@pytest.mark.parametrize("with_entropy", [False, True])
+@pytest.mark.parametrize("chunk", [1, 5, None])
+def test_fused_matches_reference_fp32(shape, temperature, with_entropy, chunk):
+    logits, targets = _random(*shape, torch.float32)
+    lp, ent, grad = _fwd_bwd(token_logprobs, logits, targets, temperature, with_entropy, chunk_tokens=chunk)
+    r_lp, r_ent, r_grad = _fwd_bwd(reference_token_logprobs, logits, targets, temperature, with_entropy)
+    assert lp.dtype == torch.float32 and lp.shape == shape[:2]
+    assert torch.allclose(lp, r_lp, atol=1e-5, rtol=0)
+    assert torch.allclose(grad, r_grad, atol=1e-5, rtol=0)
+    if with_entropy:
+        assert torch.allclose(ent, r_ent, atol=1e-5, rtol=0)
+    else:
+        assert ent is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_logits_are_upcast(dtype):
+    logits, targets = _random(2, 9, 300, dtype)
+    lp, ent, grad = _fwd_bwd(token_logprobs, logits, targets, 0.8, True, chunk_tokens=4)
+    r_lp, r_ent, r_grad = _fwd_bwd(reference_token_logprobs, logits, targets, 0.8, True)
+    assert lp.dtype == torch.float32 and ent.dtype == torch.float32 and grad.dtype == dtype
+    assert torch.allclose(lp, r_lp, atol=1e-5) and torch.allclose(ent, r_ent, atol=1e-5)
+    assert torch.allclose(grad.float(), r_grad.float(), atol=1e-2)
+
+
+def test_no_token_inputs():
+    for shape in ((0, 4, 10), (2, 0, 10)):
+        logits = torch.randn(*shape, requires_grad=True)
+        lp, ent = token_logprobs(logits, torch.zeros(shape[:2], dtype=torch.long), with_entropy=True)
+        assert lp.shape == shape[:2] and ent.shape == shape[:2]
+        (lp.sum() + ent.sum()).backward()
+        assert logits.grad.shape == logits.shape
+
+
+def test_extreme_logits_stay_finite():
+    logits = torch.tensor([[[1e4, -1e4, 0.0, 50.0], [-3e4, -3e4, -3e4, -3e4]]], requires_grad=True)
+    targets = torch.tensor([[1, 2]])
+    lp, ent = token_logprobs(logits, targets, with_entropy=True)
+    (lp.sum() + ent.sum()).backward()
+    assert torch.isfinite(lp).all() and torch.isfinite(ent).all() and torch.isfinite(logits.grad).all()
+    assert lp[0, 0].item() == pytest.approx(-2e4, rel=1e-6)
+    assert lp[0, 1].item() == pytest.approx(-torch.log(torch.tensor(4.0)).item(), abs=1e-6)
+
+
+def test_backward_keeps_no_full_size_fp32_copy():
+    """The autograd graph of the fused path holds the logits shard and a few numbers per token;
+    the plain path holds at least one extra full-vocabulary fp32 tensor."""
+    logits, targets = _random(2, 64, 4096, torch.bfloat16)
+
+    def saved_bytes(fn):
+        sizes = {}
+
+        def pack(t):
+            sizes[t.data_ptr()] = t.numel() * t.element_size()
+            return t
+
+        leaf = logits.clone().requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            lp, ent = fn(leaf, targets, with_entropy=True)
+        return sum(sizes.values()) - leaf.numel() * leaf.element_size()
+
+    n_tokens = targets.numel()
+    fused, plain = saved_bytes(token_logprobs), saved_bytes(reference_token_logprobs)
+    assert fused <= 64 * n_tokens, f"fused path saved {fused} bytes beyond the logits"
+    assert plain >= logits.numel() * 4, "the plain path should keep a full fp32 copy (test is meaningful)"
+
+
+def test_bad_inputs_are_named():
+    logits, targets = _random(2, 3, 10, torch.float32)
+    with pytest.raises(ValueError, match=r"targets: token id 10 is outside the vocabulary \[0, 10\)"):
+        token_logprobs(logits, torch.full((2, 3), 10))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        token_logprobs(logits, torch.full((2, 3), -100))
+    with pytest.raises(ValueError, match=r"targets: expected shape \(2, 3\)"):
+        token_logprobs(logits, targets[:, :2])
+    with pytest.raises(ValueError, match=r"logits: expected a float tensor \[batch, seq, vocab/tp\]"):
+        token_logprobs(logits[0], targets[0])
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        token_logprobs(logits, targets, temperature=0.0)
+    with pytest.raises(ValueError, match="chunk_tokens must be >= 1"):
+        token_logprobs(logits, targets, chunk_tokens=0)
+
+
+# ------------------------------------------------------------------ the real rollout engine
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory):
+    from megatron_alp.models.tiny import make_tiny_model
+
+    out = tmp_path_factory.mktemp("tiny_qwen2_logprobs")
+    make_tiny_model("qwen2", out)
+    return out
+
+
+def test_temperature_matches_vllm_processed_logprobs(tiny_qwen2, tmp_path, monkeypatch):
+    """vLLM samples from softmax(fp32 logits / T) and, with processed logprobs, reports the
+    logprobs of that distribution: token_logprobs(temperature=T) on the same model's logits
+    reproduces them; the temperature-free logprobs do not."""
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm_cache"))
+    from transformers import AutoModelForCausalLM
+    from vllm import LLM, SamplingParams
+
+    from megatron_alp.rollout.vllm_engine import forget_dead_vllm_groups
+
+    T = 0.6
+    forget_dead_vllm_groups()  # torch.distributed may have been torn down by an earlier test
+    llm = LLM(model=str(tiny_qwen2), dtype="float32", max_model_len=128, enforce_eager=True, seed=0,
+              logprobs_mode="processed_logprobs")
+    prompts = [[5, 17, 99, 300], [8, 41]]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(n=3, temperature=T, max_tokens=12, logprobs=0, ignore_eos=True))
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_qwen2), torch_dtype=torch.float32).eval()
+    worst_tempered, worst_raw = 0.0, float("inf")
+    for prompt, out in zip(prompts, outs):
+        for comp in out.outputs:
+            ids = list(comp.token_ids)
+            engine = torch.tensor([lp[t].logprob for lp, t in zip(comp.logprobs, ids)])
+            seq = torch.tensor([prompt + ids])
+            with torch.no_grad():
+                logits = hf(seq).logits[:, len(prompt) - 1: -1]
+            tempered, _ = token_logprobs(logits, torch.tensor([ids]), temperature=T)
+            raw, _ = token_logprobs(logits, torch.tensor([ids]))
+            worst_tempered = max(worst_tempered, (tempered[0] - engine).abs().max().item())
+            worst_raw = min(worst_raw, (raw[0] - engine).abs().max().item())
+    assert worst_tempered < 1e-4, f"max |token_logprobs(T) - vLLM| = {worst_tempered}"
+    assert worst_raw > 10 * worst_tempered, "temperature made no measurable difference: test is not meaningful"
