@@ -1,0 +1,221 @@
+"""``megatron-alp convert {hf-to-mcore,mcore-to-hf,reshard,verify}``.
+
+Each action runs on as many ranks as its layout needs (``--tp``, ``--pp``, ``--ep``). Started
+plainly, a command that needs more than one rank launches itself through
+``python -m torch.distributed.run`` on this machine; started under ``torchrun`` (e.g. for several
+nodes), it runs in place. Inputs are checked before any rank starts, so a wrong architecture, a
+missing shard or a layout that does not divide the model fails at once with the file or field
+named. Outputs are written to ``<out>.tmp-XXXX`` and renamed when complete; a failed run leaves
+no ``<out>``.
+
+Examples::
+
+    megatron-alp convert hf-to-mcore --hf Qwen2.5-7B --out ckpt/qwen7b --tp 2 --pp 1
+    megatron-alp convert mcore-to-hf --mcore runs/x/checkpoints/iter_0000100 --out hf_out \\
+        --hf-ref Qwen2.5-7B
+    megatron-alp convert reshard --mcore ckpt/qwen7b --out ckpt/qwen7b_pp2 --tp 1 --pp 2
+    megatron-alp convert verify --hf Qwen2.5-7B --mcore ckpt/qwen7b --tp 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import checkpoint_tools
+
+BAD_INPUT = (ValueError, FileNotFoundError, FileExistsError, KeyError)
+
+
+def _size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)I?B?\s*", text.upper())
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 5GB, 500MB or 1048576")
+    return int(float(m.group(1)) * 1024 ** "BKMGT".index(m.group(2) or "B"))
+
+
+def _layout_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size (default 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline parallel size (default 1)")
+    p.add_argument("--ep", type=int, default=1, help="expert parallel size, MoE only (default 1)")
+    p.add_argument("--layer-spec", default="auto", choices=["auto", "local", "te"],
+                   help="Megatron layer implementation (auto: TE on a GPU with transformer-engine)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    p = sub.add_parser("hf-to-mcore", help="HF safetensors directory -> Megatron distributed checkpoint")
+    p.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors)")
+    p.add_argument("--out", required=True, help="checkpoint directory to create")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="parameter dtype (default: the HF weights' own)")
+    _layout_args(p)
+    p = sub.add_parser("mcore-to-hf", help="Megatron checkpoint -> HF directory (safetensors, config, tokenizer)")
+    p.add_argument("--mcore", required=True, help="Megatron checkpoint directory")
+    p.add_argument("--out", required=True, help="HF directory to create")
+    p.add_argument("--hf-ref", default=None,
+                   help="original HF directory, for config/tokenizer when the checkpoint has none "
+                   "(trainer checkpoints)")
+    p.add_argument("--max-shard-size", type=_size, default=_size("5GB"), help="largest safetensors file (default 5GB)")
+    _layout_args(p)
+    p = sub.add_parser("reshard", help="rewrite a Megatron checkpoint under another TP/PP/EP layout")
+    p.add_argument("--mcore", required=True, help="Megatron checkpoint directory")
+    p.add_argument("--out", required=True, help="checkpoint directory to create")
+    p.add_argument("--hf-ref", default=None, help="original HF directory, when the checkpoint has no HF config")
+    _layout_args(p)
+    p = sub.add_parser("verify", help="compare HF and Megatron logits on a fixed batch")
+    p.add_argument("--hf", required=True, help="HF model directory")
+    p.add_argument("--mcore", required=True, help="Megatron checkpoint directory")
+    p.add_argument("--tol", type=float, default=1e-4, help="largest accepted max |logit diff| (default 1e-4, fp32)")
+    _layout_args(p)
+
+
+def _hf_config_of(args) -> dict:
+    from megatron_alp.dist_checkpoint import read_metadata
+    from megatron_alp.models.families import load_hf_config
+
+    if args.action == "hf-to-mcore":
+        from megatron_alp.models.hf_weights import open_hf_checkpoint
+
+        return open_hf_checkpoint(args.hf)[0]
+    meta = read_metadata(args.mcore)
+    if args.action == "verify":
+        return load_hf_config(args.hf)
+    if meta.get("hf_config"):
+        return meta["hf_config"]
+    if not args.hf_ref:
+        raise ValueError(f"{args.mcore}: the checkpoint has no HF config; pass --hf-ref with the original HF directory")
+    return load_hf_config(args.hf_ref)
+
+
+def check(args):
+    """Validate the inputs and layout without starting any rank; returns the ParallelConfig."""
+    from megatron_alp.models.families import hf_to_megatron
+
+    for key in ("tp", "pp", "ep"):
+        if getattr(args, key) < 1:
+            raise ValueError(f"--{key} must be >= 1 (got {getattr(args, key)})")
+    out = getattr(args, "out", None)
+    if out is not None and Path(out).exists():
+        raise FileExistsError(f"--out {out} already exists; choose a new directory")
+    margs = hf_to_megatron(_hf_config_of(args))
+    from megatron_alp.models.builder import check_parallel_layout  # imports Megatron: after the cheap checks
+
+    parallel = checkpoint_tools.parallel_config(args.tp, args.pp, args.ep, moe="num_moe_experts" in margs.transformer)
+    check_parallel_layout(margs, parallel)
+    return parallel
+
+
+def _execute(args, parallel) -> None:
+    if args.action == "hf-to-mcore":
+        from checkpoint_tools.hf_to_mcore import convert
+
+        convert(args.hf, args.out, parallel, layer_spec=args.layer_spec, dtype=args.dtype)
+    elif args.action == "mcore-to-hf":
+        from checkpoint_tools.mcore_to_hf import convert
+
+        convert(args.mcore, args.out, parallel, hf_ref=args.hf_ref, layer_spec=args.layer_spec,
+                max_shard_bytes=args.max_shard_size)
+    elif args.action == "reshard":
+        from checkpoint_tools.reshard import reshard
+
+        reshard(args.mcore, args.out, parallel, hf_ref=args.hf_ref, layer_spec=args.layer_spec)
+    else:
+        from checkpoint_tools.verify import verify
+
+        verify(args.hf, args.mcore, parallel, layer_spec=args.layer_spec, tol=args.tol)
+
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(args, nproc: int) -> int:
+    """Run this action on ``nproc`` local ranks through torchrun; clean up after a failure."""
+    root = str(Path(checkpoint_tools.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
+           "-m", "checkpoint_tools.cli", "--job", json.dumps(vars(args))]
+    rc = subprocess.call(cmd, env=env)
+    out = getattr(args, "out", None)
+    if rc != 0 and out is not None:
+        out = Path(out).absolute()
+        for tmp in out.parent.glob(out.name + ".tmp-*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+        print(f"megatron-alp convert {args.action}: failed on one of {nproc} ranks (see above); "
+              f"nothing was written to {out}", file=sys.stderr)
+    return rc
+
+
+def _fail(args, err: BaseException) -> int:
+    rank = os.environ.get("RANK")
+    where = f" (rank {rank})" if rank is not None else ""
+    msg = err.args[0] if isinstance(err, KeyError) and err.args else err
+    print(f"megatron-alp convert {args.action}: error{where}: {msg}", file=sys.stderr, flush=True)
+    return 2
+
+
+def _run_here(args, parallel) -> int:
+    from megatron_alp.parallel import destroy_distributed
+
+    try:
+        _execute(args, parallel)
+    except BAD_INPUT as err:
+        return _fail(args, err)
+    finally:
+        destroy_distributed()
+    return 0
+
+
+def run(args) -> int:
+    try:
+        parallel = check(args)
+    except BAD_INPUT as err:
+        return _fail(args, err)
+    nproc = checkpoint_tools.world_size(args.tp, args.pp, args.ep)
+    if nproc > 1 and not _under_torchrun():
+        return _launch(args, nproc)
+    return _run_here(args, parallel)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--job"]:  # a rank started by _launch
+        args = argparse.Namespace(**json.loads(argv[1]))
+        try:
+            parallel = check_for_worker(args)
+        except BAD_INPUT as err:
+            return _fail(args, err)
+        return _run_here(args, parallel)
+    parser = argparse.ArgumentParser(prog="megatron-alp convert", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def check_for_worker(args):
+    """The layout of a launched rank (inputs were checked by the launcher; ``--out`` may now be
+    created by a peer, so only the layout is rebuilt)."""
+    from megatron_alp.models.families import hf_to_megatron
+
+    margs = hf_to_megatron(_hf_config_of(args))
+    return checkpoint_tools.parallel_config(args.tp, args.pp, args.ep, moe="num_moe_experts" in margs.transformer)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

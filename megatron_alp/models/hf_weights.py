@@ -1,0 +1,373 @@
+"""Hugging Face safetensors <-> this rank's Megatron-Core model stage.
+
+:func:`load_hf_weights` fills a (TP/PP/EP-sliced) GPTModel from an HF directory, one parameter at
+a time: only the tensors this rank needs are read, and a shard file is closed (unmapped) as soon
+as no remaining parameter needs it, so memory stays at the model stage plus one parameter's
+inputs. :func:`iter_hf_weights` is the inverse, used by the HF export and by the rollout engine's
+weight sync: a collective that gathers each tensor across TP, EP and PP in bounded buckets and
+yields HF-named full tensors. Both place weights by :mod:`megatron_alp.models.weight_mapping`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_alp.models.families import hf_to_megatron, load_hf_config
+from megatron_alp.models.sharding import gather_tp, partition_dim_of, shard
+from megatron_alp.models.weight_mapping import Match, WeightMapping, is_sigma
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def unwrap(model) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+class HFCheckpoint:
+    """The tensors of an HF safetensors directory (single file, or index + shards), read lazily."""
+
+    def __init__(self, hf_dir: str | Path):
+        self.dir = Path(hf_dir)
+        index = self.dir / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise ValueError(f"{index}: not a safetensors index with a `weight_map` ({err})") from None
+            self.location = {name: self.dir / f for name, f in weight_map.items()}
+        else:
+            files = [self.dir / SINGLE_FILE] if (self.dir / SINGLE_FILE).is_file() else sorted(
+                self.dir.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(
+                    f"{self.dir}: no safetensors weights ({SINGLE_FILE} or {INDEX_FILE}); "
+                    "PyTorch .bin checkpoints are not supported"
+                )
+            self.location = {name: f for f in files for name in _header_names(f)}
+        for f, names in _group_by_file(self.location).items():
+            if not f.is_file():
+                raise FileNotFoundError(
+                    f"{f}: shard listed in {INDEX_FILE} is missing (it holds {len(names)} tensors, "
+                    f"e.g. {names[0]})"
+                )
+        self._open: dict[Path, object] = {}
+
+    def names(self) -> list[str]:
+        return list(self.location)
+
+    def dtype(self) -> torch.dtype:
+        """The most common floating dtype of the stored tensors (the checkpoint's precision)."""
+        counts: Counter = Counter()
+        for f, names in _group_by_file(self.location).items():
+            handle = self._handle(f)
+            for n in names:
+                counts[handle.get_slice(n).get_dtype()] += 1
+            self.close(f)
+        for code, _ in counts.most_common():
+            if code in _DTYPES:
+                return _DTYPES[code]
+        return torch.float32
+
+    def _handle(self, f: Path):
+        from safetensors import safe_open
+
+        if f not in self._open:
+            self._open[f] = safe_open(str(f), framework="pt")
+        return self._open[f]
+
+    def read(self, name: str) -> torch.Tensor:
+        from safetensors import SafetensorError
+
+        f = self.location[name]
+        try:
+            return self._handle(f).get_tensor(name)
+        except SafetensorError as err:
+            raise ValueError(f"{f}: does not contain tensor {name} ({err})") from None
+
+    def close(self, f: Optional[Path] = None) -> None:
+        for key in [f] if f is not None else list(self._open):
+            self._open.pop(key, None)
+
+
+def _header_names(f: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(f), framework="pt") as h:
+        return list(h.keys())
+
+
+def _group_by_file(location: dict[str, Path]) -> dict[Path, list[str]]:
+    out: dict[Path, list[str]] = {}
+    for name, f in location.items():
+        out.setdefault(f, []).append(name)
+    return out
+
+
+# --------------------------------------------------------------------------- rank-local params
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+_GROUPED_EXPERT = re.compile(r"(\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")
+
+
+def global_name(name: str, model) -> str:
+    """Name of this stage's parameter in the whole model: global layer and expert indices."""
+    from megatron.core import parallel_state as ps
+
+    m = _LAYER.match(name)
+    if m:
+        layer = model.decoder.layers[int(m.group(1))].layer_number - 1
+        name = f"decoder.layers.{layer}." + name[m.end():]
+    if model.config.num_moe_experts:
+        per_rank = model.config.num_moe_experts // ps.get_expert_model_parallel_world_size()
+        offset = ps.get_expert_model_parallel_rank() * per_rank
+        name = _LOCAL_EXPERT.sub(lambda e: f".local_experts.{offset + int(e.group(1))}.", name)
+        name = _GROUPED_EXPERT.sub(lambda e: f"{e.group(1)}{offset + int(e.group(2))}", name)
+    return name
+
+
+class _Param:
+    """One local parameter with its rule and how it is split over tensor parallelism."""
+
+    def __init__(self, name: str, param: torch.Tensor, match: Match):
+        from megatron.core import parallel_state as ps
+
+        self.name, self.param, self.match = name, param, match
+        self.expert = match.rule.is_expert
+        self.partition_dim = match.rule.tp_dim
+        recorded = partition_dim_of(param) if hasattr(param, "partition_dim") else self.partition_dim
+        if recorded != self.partition_dim:
+            raise ValueError(
+                f"{name}: Megatron splits it over tensor parallelism along dim {recorded}, the weight "
+                f"mapping says {self.partition_dim}"
+            )
+        if self.expert:
+            self.group = ps.get_expert_tensor_parallel_group()
+            self.tp_rank = ps.get_expert_tensor_parallel_rank()
+            self.tp_size = ps.get_expert_tensor_parallel_world_size()
+        else:
+            self.group = ps.get_tensor_model_parallel_group()
+            self.tp_rank = ps.get_tensor_model_parallel_rank()
+            self.tp_size = ps.get_tensor_model_parallel_world_size()
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        shape = list(self.param.shape)
+        if self.partition_dim is not None:
+            shape[self.partition_dim] *= self.tp_size
+        return tuple(shape)
+
+
+def local_params(model, mapping: WeightMapping) -> list[_Param]:
+    """This rank's parameters (ALP sigmas excluded), each resolved to its mapping rule."""
+    out = []
+    tied_output = model.share_embeddings_and_output_weights
+    for name, p in model.named_parameters():
+        if is_sigma(name):
+            continue
+        if name == "output_layer.weight" and tied_output:
+            # a later pipeline stage's copy of the tied embedding
+            match = mapping.match("embedding.word_embeddings.weight")
+        else:
+            match = mapping.match(global_name(name, model))
+        out.append(_Param(name, p, match))
+    return out
+
+
+def check_model_matches(model, hf_config: dict, source: str) -> None:
+    """Refuse an HF config that describes another model than the built one (by field)."""
+    args = hf_to_megatron(hf_config)
+    t, c = args.transformer, model.config
+    fields = [
+        ("num_hidden_layers", t["num_layers"], c.num_layers),
+        ("hidden_size", t["hidden_size"], c.hidden_size),
+        ("num_attention_heads", t["num_attention_heads"], c.num_attention_heads),
+        ("num_key_value_heads", t["num_query_groups"], c.num_query_groups),
+        ("head_dim", t["kv_channels"], c.kv_channels),
+        ("intermediate_size", t["ffn_hidden_size"], c.ffn_hidden_size),
+        ("num_experts", t.get("num_moe_experts"), c.num_moe_experts),
+        ("moe_intermediate_size", t.get("moe_ffn_hidden_size"), c.moe_ffn_hidden_size if c.num_moe_experts else None),
+        ("vocab_size", args.vocab_size, model.vocab_size),
+        ("tie_word_embeddings", args.tie_word_embeddings, model.share_embeddings_and_output_weights),
+        ("attention bias", t["add_qkv_bias"], c.add_qkv_bias),
+        ("qk norm", t["qk_layernorm"], c.qk_layernorm),
+    ]
+    for field, hf_value, model_value in fields:
+        if hf_value != model_value:
+            raise ValueError(f"{source}: `{field}` is {hf_value!r} but the Megatron model has {model_value!r}")
+
+
+# ----------------------------------------------------------------------------------- loading
+
+
+def open_hf_checkpoint(hf_dir) -> tuple[dict, WeightMapping, HFCheckpoint]:
+    """Config, mapping and tensor index of an HF directory, checked against each other: every
+    tensor the family's mapping expects is there, and every stored tensor has a place (an error
+    names the first offender). Reads only file headers."""
+    hf_dir = Path(hf_dir)
+    hf_config = load_hf_config(hf_dir)
+    mapping = WeightMapping.from_hf_config(hf_config)
+    ckpt = HFCheckpoint(hf_dir)
+    expected = mapping.hf_names()
+    available = set(ckpt.names())
+    missing = [n for n in expected if n not in available]
+    if missing:
+        raise ValueError(f"{hf_dir}: tensor {missing[0]} is missing ({len(missing)} expected tensors missing)")
+    unexpected = sorted(available - set(expected) - {n for n in available if mapping.is_ignored_hf(n)})
+    if not mapping.flags["untied"]:
+        unexpected = [n for n in unexpected if n != "lm_head.weight"]  # some tied checkpoints store a copy
+    if unexpected:
+        raise ValueError(
+            f"{hf_dir}: tensor {unexpected[0]} has no Megatron parameter in the {mapping.family} mapping "
+            f"({len(unexpected)} unmapped tensors); refusing to drop weights silently"
+        )
+    return hf_config, mapping, ckpt
+
+
+def load_hf_weights(model, hf_dir) -> None:
+    """Fill this rank's GPTModel stage from the HF safetensors directory ``hf_dir``.
+
+    Checks first that the directory holds exactly the tensors the family's mapping expects (see
+    :func:`open_hf_checkpoint`), then streams: per parameter, read its HF tensors, fuse them (QKV,
+    gate/up), take this rank's TP slice and copy it in. ALP sigmas keep their initial value.
+    Raises ValueError naming the tensor on any shape mismatch.
+    """
+    model = unwrap(model)
+    hf_config, mapping, ckpt = open_hf_checkpoint(hf_dir)
+    check_model_matches(model, hf_config, str(Path(hf_dir) / "config.json"))
+    params = local_params(model, mapping)
+    # Visit parameters grouped by shard file and release each file once nothing else needs it.
+    order = sorted(params, key=lambda p: min(str(ckpt.location[n]) for n in p.match.hf_names))
+    pending = Counter(ckpt.location[n] for p in order for n in p.match.hf_names)
+    with torch.no_grad():
+        for p in order:
+            names = p.match.hf_names
+            tensors = [ckpt.read(n) for n in names]
+            for n in names:
+                pending[ckpt.location[n]] -= 1
+                if pending[ckpt.location[n]] == 0:
+                    ckpt.close(ckpt.location[n])
+            full = mapping.to_mcore(p.match, tensors)
+            if tuple(full.shape) != p.full_shape:
+                raise ValueError(
+                    f"{', '.join(names)}: shape {tuple(full.shape)} does not fit Megatron parameter "
+                    f"{p.match.name} of shape {p.full_shape}"
+                )
+            piece = shard(full, p.match.name, p.partition_dim, p.tp_rank, p.tp_size, gated=True)
+            p.param.copy_(piece)
+            del tensors, full, piece
+    ckpt.close()
+
+
+# ----------------------------------------------------------------------------------- export
+
+
+class _ExportPlan:
+    """Who owns which full tensor: (pipeline stage, expert-parallel rank or None), plus shapes."""
+
+    def __init__(self, model, mapping: WeightMapping):
+        from megatron.core import parallel_state as ps
+
+        self.mapping = mapping
+        self.local = {p.match.name: p for p in local_params(model, mapping) if not _tied_copy(p)}
+        pp_rank = ps.get_pipeline_model_parallel_rank()
+        ep_rank = ps.get_expert_model_parallel_rank() if model.config.num_moe_experts else 0
+        mine = {
+            name: (pp_rank, ep_rank if p.expert else None, p.full_shape, str(p.param.dtype).removeprefix("torch."))
+            for name, p in self.local.items()
+        }
+        parts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+        owners: dict = {}
+        for part in parts:
+            owners.update(part)
+        self.entries = []
+        for m in mapping.matches():
+            if m.name not in owners:
+                raise RuntimeError(f"no rank holds Megatron parameter {m.name}; cannot export the model")
+            stage, ep_owner, shape, dtype = owners[m.name]
+            self.entries.append((m, stage, ep_owner, shape, getattr(torch, dtype)))
+
+    def buckets(self, bucket_bytes: int):
+        """Consecutive entries with one owner and dtype, at most ``bucket_bytes`` (or one tensor)."""
+        bucket, size, key = [], 0, None
+        for entry in self.entries:
+            _, stage, ep_owner, shape, dtype = entry
+            nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+            if bucket and ((stage, ep_owner, dtype) != key or size + nbytes > bucket_bytes):
+                yield bucket
+                bucket, size = [], 0
+            bucket.append(entry)
+            size += nbytes
+            key = (stage, ep_owner, dtype)
+        if bucket:
+            yield bucket
+
+
+def _tied_copy(p: _Param) -> bool:
+    return p.name == "output_layer.weight" and p.match.name == "embedding.word_embeddings.weight"
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def iter_hf_weights(model, bucket_bytes: int = 512 << 20) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full tensor)`` for the whole model, in HF file order, on every rank.
+
+    Collective: every rank of the job must iterate it to the end. Tensors are gathered across TP
+    (all-gather; the fused QKV and gate/up layouts are undone by the mapping), across EP (broadcast
+    from the expert's owner) and PP (broadcast from the owning stage) in buckets of at most
+    ``bucket_bytes``. Yielded tensors may be views into their bucket's buffer, which is freshly
+    allocated per bucket and never overwritten: keeping one keeps its bucket alive. ALP sigmas
+    are never yielded.
+    """
+    from megatron.core import parallel_state as ps
+
+    model = unwrap(model)
+    plan = getattr(model, "_hf_export_plan", None)
+    if plan is None:
+        plan = _ExportPlan(model, WeightMapping.from_model(model))
+        model._hf_export_plan = plan
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    pp_size = ps.get_pipeline_model_parallel_world_size()
+    ep_rank = ps.get_expert_model_parallel_rank() if model.config.num_moe_experts else 0
+    ep_size = ps.get_expert_model_parallel_world_size() if model.config.num_moe_experts else 1
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        for bucket in plan.buckets(bucket_bytes):
+            _, stage, ep_owner, _, dtype = bucket[0]
+            sizes = [_numel(e[3]) for e in bucket]
+            flat = torch.empty(sum(sizes), dtype=dtype, device=device)
+            if pp_rank == stage and (ep_owner is None or ep_owner == ep_rank):
+                offset = 0
+                for (m, *_), n in zip(bucket, sizes):
+                    p = plan.local[m.name]
+                    full = gather_tp(p.param.detach(), m.name, p.partition_dim, p.group, gated=True)
+                    flat[offset: offset + n].copy_(full.reshape(-1))
+                    offset += n
+            if ep_owner is not None and ep_size > 1 and pp_rank == stage:
+                group = ps.get_expert_model_parallel_group()
+                dist.broadcast(flat, src=dist.get_global_rank(group, ep_owner), group=group)
+            if pp_size > 1:
+                group = ps.get_pipeline_model_parallel_group()
+                dist.broadcast(flat, src=dist.get_global_rank(group, stage), group=group)
+            for (m, _, _, shape, _), piece in zip(bucket, torch.split(flat, sizes)):
+                yield from plan.mapping.to_hf(m, piece.view(shape))
+            del flat
