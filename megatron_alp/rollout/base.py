@@ -21,6 +21,10 @@ class SamplingParams:
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = True
+    # When set, sample j of prompt i draws from its own random stream seeded by (seed, i, j), so
+    # what it samples depends neither on the engine's process and batching nor on retries: a
+    # multi-rank, re-laid-out or resumed run samples what a one-rank run does.
+    seed: Optional[int] = None
 
 
 @dataclass
@@ -81,6 +85,71 @@ class Trajectory:
 
 class RolloutError(RuntimeError):
     """The engine failed in a way retries did not fix; the message says what and where."""
+
+
+class EngineRestarted(RolloutError):
+    """The engine died and was restarted, but holds its initial weights again (the synced ones
+    lived only in its memory): sync the trainer's weights, then retry the request."""
+
+
+def check_prompts(prompts: list[list[int]], vocab_size: int, max_model_len: int) -> None:
+    """Refuse a batch the engine would reject or cut, before anything is sent: each prompt must be
+    a non-empty list of token ids inside the vocabulary, leaving room for at least one token."""
+    if not isinstance(prompts, (list, tuple)):
+        raise RolloutError(f"prompts: expected a list of token-id lists, got {type(prompts).__name__}")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, (list, tuple)) or not p:
+            raise RolloutError(f"prompt {i}: expected a non-empty list of token ids, got {p!r:.80}")
+        if len(p) >= max_model_len:
+            raise RolloutError(
+                f"prompt {i} has {len(p)} tokens but the engine context is {max_model_len} tokens "
+                f"(rollout.max_model_len), leaving no room for a response"
+            )
+        bad = next((t for t in p if not isinstance(t, int) or not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise RolloutError(f"prompt {i}: token {bad!r} is not an id in the vocabulary [0, {vocab_size})")
+
+
+def check_sampling(params: SamplingParams) -> None:
+    if params.n < 1:
+        raise RolloutError(f"sampling: n must be >= 1 (got {params.n})")
+    if params.temperature < 0:
+        raise RolloutError(f"sampling: temperature must be >= 0 (got {params.temperature})")
+    if not 0 < params.top_p <= 1:
+        raise RolloutError(f"sampling: top_p must be in (0, 1] (got {params.top_p})")
+    if params.top_k == 0 or params.top_k < -1:
+        raise RolloutError(f"sampling: top_k must be -1 (disabled) or >= 1 (got {params.top_k})")
+    if params.max_tokens < 1:
+        raise RolloutError(f"sampling: max_tokens must be >= 1 (got {params.max_tokens})")
+
+
+def collect_samples(engine: str, prompts: list[list[int]], n: int, attempts: int,
+                    attempt: Callable[[list[tuple[int, int]], int], tuple[dict, Optional[str]]]
+                    ) -> list[list[Completion]]:
+    """The retry loop every engine shares: call ``attempt(pending, number)`` (returning the finished
+    ``{(prompt, sample): Completion}`` and what went wrong with the rest, or None) on the samples not
+    yet in, at most ``attempts`` times. A batch is never returned short: whatever is still missing
+    is a :class:`RolloutError` that quotes every attempt's problem."""
+    wanted = [(i, j) for i in range(len(prompts)) for j in range(n)]
+    done: dict[tuple[int, int], Completion] = {}
+    history: list[str] = []
+    for number in range(1, attempts + 1):
+        pending = [k for k in wanted if k not in done]
+        if not pending:
+            break
+        got, problem = attempt(pending, number)
+        done.update(got)
+        if problem:
+            history.append(f"attempt {number}: {problem}")
+    missing = [k for k in wanted if k not in done]
+    if missing:
+        i, j = missing[0]
+        raise RolloutError(
+            f"{engine} returned {len(wanted) - len(missing)} of {len(wanted)} samples "
+            f"({len(prompts)} prompts x n={n}) after {attempts} attempt(s): {'; '.join(history)}; "
+            f"first missing: prompt {i} sample {j}"
+        )
+    return [[done[(i, j)] for j in range(n)] for i in range(len(prompts))]
 
 
 class RolloutEngine(abc.ABC):

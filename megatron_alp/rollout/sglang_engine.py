@@ -1,0 +1,296 @@
+"""The ``sglang`` rollout engine: an SGLang server subprocess driven over its HTTP API (GPU only).
+
+The server (``python -m sglang.launch_server``) is started on ``model_dir`` with the configured
+dtype, tensor parallelism, memory fraction, seed, context length and quantization, plus
+``rollout.sglang_args``; its log goes to a file next to the weight folders and its last lines are
+quoted in every startup or crash error.
+
+- Generation: ``POST /generate`` with token ids, one entry per sample, ``return_logprob``. SGLang
+  reports ``log_softmax(logits / T)`` *before* top-k/top-p filtering, not the renormalised
+  distribution the token was drawn from, so top-p < 1 or top-k > 0 are refused here (use the
+  ``vllm`` engine for filtered sampling), and ``SGLANG_RETURN_ORIGINAL_LOGPROB`` (pre-temperature
+  logprobs) is removed from the server's environment.
+- Weight sync: the stream is written as a safetensors folder in ``rollout.sync_dir`` and loaded
+  with ``POST /update_weights_from_disk``; the loader applies the server's FP8 quantization again.
+- Failures: a request that times out is aborted and retried; if the server process has exited
+  it is restarted from the last synced folder (no weights are lost) and the request retried, up
+  to ``max_retries``; then :class:`RolloutError`.
+- ``sleep``/``wake_up`` release and resume GPU memory (``--enable-memory-saver``) when
+  ``free_memory_during_training`` is set.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Iterable, Optional
+
+import torch
+
+from megatron_alp.config import RolloutConfig
+from megatron_alp.models.families import load_hf_config
+from megatron_alp.platform import has_gpu
+from megatron_alp.rollout.base import (
+    Completion,
+    RolloutEngine,
+    RolloutError,
+    SamplingParams,
+    check_prompts,
+    check_sampling,
+    collect_samples,
+    register_engine,
+)
+from megatron_alp.rollout.quantization import check_model_not_prequantized, sglang_quantization_args
+from megatron_alp.rollout.vllm_engine import resolve_max_model_len
+from megatron_alp.rollout.weight_sync import WeightStream, default_sync_root, is_finite, write_hf_checkpoint
+
+
+def check_sglang_sampling(params: SamplingParams) -> None:
+    """SGLang's logprobs are those of the unfiltered tempered distribution: refuse filters."""
+    check_sampling(params)
+    if params.top_p < 1.0 or params.top_k > 0:
+        raise RolloutError(
+            f"rollout.engine=sglang with top_p={params.top_p}, top_k={params.top_k}: SGLang reports "
+            "logprobs before top-k/top-p filtering, not those of the distribution it samples from, "
+            "which would bias every importance ratio; use top_p=1.0, top_k=-1 or rollout.engine=vllm"
+        )
+    if params.seed is not None:
+        raise RolloutError("rollout.engine=sglang does not take per-sample seeds: set "
+                           "rollout.sampling.per_sample_seeds=false or use rollout.engine=vllm")
+
+
+def server_command(cfg: RolloutConfig, model_path: str, tokenizer_path: str, max_model_len: int,
+                   seed: int) -> list[str]:
+    """The ``sglang.launch_server`` command line for this configuration."""
+    cmd = [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", model_path, "--tokenizer-path", tokenizer_path,
+        "--host", "127.0.0.1", "--port", str(cfg.sglang_port),
+        "--dtype", cfg.dtype, "--tp-size", str(cfg.tensor_parallel_size),
+        "--mem-fraction-static", str(cfg.gpu_memory_utilization),
+        "--context-length", str(max_model_len), "--random-seed", str(seed),
+    ]
+    if cfg.enforce_eager:
+        cmd.append("--disable-cuda-graph")
+    if cfg.free_memory_during_training:
+        cmd.append("--enable-memory-saver")
+    return cmd + sglang_quantization_args(cfg) + list(cfg.sglang_args)
+
+
+@register_engine("sglang")
+class SGLangEngine(RolloutEngine):
+    def __init__(self, cfg: RolloutConfig, model_dir: str, seed: int = 0):
+        if not has_gpu():
+            raise RolloutError(
+                "rollout.engine=sglang needs an NVIDIA GPU: SGLang has no CPU build (on the CPU use "
+                "rollout.engine=vllm)"
+            )
+        if importlib.util.find_spec("sglang") is None:
+            raise RolloutError("rollout.engine=sglang: the sglang package is not installed (pip install sglang)")
+        self.cfg = cfg
+        self.model_dir = Path(model_dir)
+        self.seed = seed
+        hf = load_hf_config(self.model_dir)
+        check_model_not_prequantized(hf, str(self.model_dir / "config.json"))
+        self.vocab_size = int(hf["vocab_size"])
+        self._max_len = resolve_max_model_len(cfg, hf)
+        self._sync_root = default_sync_root(cfg.sync_dir)
+        self._log_path = self._sync_root / "sglang_server.log"
+        self._weights_dir: Optional[Path] = None
+        self._proc: Optional[subprocess.Popen] = None
+        self._asleep = False
+        self.restarts = 0
+        self._url = f"http://127.0.0.1:{cfg.sglang_port}"
+        self._start()
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_len
+
+    # ------------------------------------------------------------------------------ server
+
+    def _log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self._log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no server log)"
+
+    def _start(self) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "SGLANG_RETURN_ORIGINAL_LOGPROB"}
+        cmd = server_command(self.cfg, str(self._weights_dir or self.model_dir), str(self.model_dir),
+                             self._max_len, self.seed)
+        log = open(self._log_path, "ab")
+        try:
+            self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                          start_new_session=True)
+        finally:
+            log.close()
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RolloutError(f"the SGLang server exited with code {self._proc.returncode} while starting "
+                                   f"({' '.join(cmd)}); last log lines:\n{self._log_tail()}")
+            if self._healthy(timeout=5.0):
+                self._asleep = False
+                return
+            time.sleep(1.0)
+        self._stop()
+        raise RolloutError(f"the SGLang server did not become healthy within rollout.startup_timeout_s="
+                           f"{self.cfg.startup_timeout_s:g} s; last log lines:\n{self._log_tail()}")
+
+    def _healthy(self, timeout: float) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self._url}/health_generate", timeout=timeout) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def _alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def _stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        os.killpg(proc.pid, signal.SIGTERM)  # the server's own process group (start_new_session)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def _restart(self) -> None:
+        self._stop()
+        self.restarts += 1
+        self._start()
+
+    def shutdown(self) -> None:
+        self._stop()
+        shutil.rmtree(self._sync_root, ignore_errors=True)
+
+    def engine_pids(self) -> list[int]:
+        return [self._proc.pid] if self._alive() else []
+
+    def _post(self, path: str, payload: dict, timeout: float):
+        data = json.dumps(payload).encode()
+        req = urllib.request.Request(f"{self._url}{path}", data=data, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            body = resp.read()
+        return json.loads(body) if body.strip().startswith((b"{", b"[")) else body.decode()
+
+    # --------------------------------------------------------------------------- memory
+
+    def sleep(self) -> None:
+        if self.cfg.free_memory_during_training and not self._asleep:
+            self._post("/release_memory_occupation", {}, timeout=self.cfg.request_timeout_s)
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        if self._asleep:
+            self._post("/resume_memory_occupation", {}, timeout=self.cfg.request_timeout_s)
+            self._asleep = False
+
+    # -------------------------------------------------------------------------- weights
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        version = int(self._weights_dir.name.rsplit("-", 1)[1]) + 1 if self._weights_dir else 1
+        folder = write_hf_checkpoint(WeightStream(weights), self._sync_root / f"weights-{version:06d}",
+                                     bucket_bytes=self.cfg.sync_bucket_mb << 20, config_dir=self.model_dir)
+        self.wake_up()
+        try:
+            reply = self._post("/update_weights_from_disk", {"model_path": str(folder)},
+                               timeout=self.cfg.request_timeout_s)
+        except urllib.error.HTTPError as err:
+            reply = {"success": False, "message": err.read().decode(errors="replace")}
+        except (urllib.error.URLError, OSError) as err:
+            raise RolloutError(f"SGLang weight update failed ({err}); server alive: {self._alive()}; "
+                               f"last log lines:\n{self._log_tail()}") from err
+        if not (isinstance(reply, dict) and reply.get("success")):
+            shutil.rmtree(folder, ignore_errors=True)
+            raise RolloutError(f"SGLang refused the weight update: {reply}")
+        old, self._weights_dir = self._weights_dir, folder
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    # --------------------------------------------------------------------------- generate
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        check_prompts(prompts, self.vocab_size, self._max_len)
+        check_sglang_sampling(params)
+        self.wake_up()
+        sampling = {"temperature": params.temperature, "top_p": 1.0, "top_k": -1,
+                    "max_new_tokens": params.max_tokens, "stop": list(params.stop) or None,
+                    "no_stop_trim": params.include_stop_str_in_output}
+        attempts = self.cfg.max_retries + 1
+
+        def attempt(pending, number):
+            notes = []
+            if not self._alive():
+                notes.append(f"server process had exited (code {self._proc.returncode if self._proc else None}); "
+                             "restarted")
+                self._restart()
+            rids = [uuid.uuid4().hex for _ in pending]
+            body = {"input_ids": [list(prompts[i]) for i, _ in pending], "sampling_params": [sampling] * len(pending),
+                    "return_logprob": True, "rid": rids}
+            try:
+                reply = self._post("/generate", body, timeout=self.cfg.request_timeout_s)
+            except urllib.error.HTTPError as err:
+                raise RolloutError(f"SGLang rejected the request (HTTP {err.code}): "
+                                   f"{err.read().decode(errors='replace')[:2000]}") from err
+            except (urllib.error.URLError, OSError) as err:  # timeout, connection refused/reset
+                if not self._alive():
+                    notes.append(f"the server died ({err}); last log lines:\n{self._log_tail(10)}")
+                    return {}, "; ".join(notes)
+                for rid in rids:
+                    try:
+                        self._post("/abort_request", {"rid": rid}, timeout=30)
+                    except (urllib.error.URLError, OSError):
+                        pass
+                notes.append(f"no answer within {self.cfg.request_timeout_s:g} s ({err})")
+                return {}, "; ".join(notes)
+            items = reply if isinstance(reply, list) else [reply]
+            if len(items) != len(pending):
+                notes.append(f"{len(items)} answers for {len(pending)} requests")
+                return {}, "; ".join(notes)
+            got = {}
+            for key, item in zip(pending, items):
+                completion = self._completion(item, prompts, key)
+                if completion is not None:
+                    got[key] = completion
+            aborted = len(pending) - len(got)
+            if aborted:
+                notes.append(f"{aborted} of {len(pending)} samples aborted by the server")
+            return got, "; ".join(notes) or None
+
+        return collect_samples("SGLang", prompts, params.n, attempts, attempt)
+
+    @staticmethod
+    def _completion(item: dict, prompts, key) -> Optional[Completion]:
+        i, j = key
+        meta = item.get("meta_info", {})
+        finish = meta.get("finish_reason") or {}
+        kind = finish.get("type") if isinstance(finish, dict) else finish
+        if kind not in ("stop", "length"):
+            return None
+        steps = meta.get("output_token_logprobs")
+        if steps is None:
+            raise RolloutError(f"prompt {i} sample {j}: SGLang returned no output_token_logprobs")
+        tokens = [int(s[1]) for s in steps]
+        logprobs = [float(s[0]) for s in steps]
+        if "output_ids" in item and list(item["output_ids"]) != tokens:
+            raise RolloutError(f"prompt {i} sample {j}: SGLang's output_ids and logprob tokens disagree")
+        if not is_finite(logprobs):
+            raise RolloutError(f"prompt {i} sample {j}: non-finite logprob from SGLang")
+        matched = finish.get("matched") if isinstance(finish, dict) else None
+        return Completion(prompt_ids=list(prompts[i]), response_ids=tokens, logprobs=logprobs,
+                          finish_reason=kind, text=item.get("text", ""), stop_reason=matched)

