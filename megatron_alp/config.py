@@ -262,6 +262,13 @@ class SamplingConfig(_Section):
     top_k: int = Field(-1, description="Top-k sampling (-1 disables).")
     max_prompt_length: int = Field(2048, ge=1, description="Prompts longer than this (tokens) are skipped.")
     max_response_length: int = Field(2048, ge=1, description="Maximum generated tokens per response.")
+    per_sample_seeds: Optional[bool] = Field(
+        None,
+        description="Seed every sample from (trainer.seed, iteration, prompt, sample), so rollouts do not "
+        "depend on the engine's process, batching or restarts: a run on more ranks, another layout or "
+        "resumed samples what a one-rank run does (vllm engine only). Default: on without a GPU; off on "
+        "GPUs, where vLLM then samples request by request and kernels are not reproducible anyway.",
+    )
 
     @field_validator("top_k")
     @classmethod
@@ -302,8 +309,36 @@ class RolloutConfig(_Section):
     verify_sync: bool = Field(
         False, description="After each weight sync, check engine and trainer logprobs agree on a probe."
     )
-    request_timeout_s: float = Field(600.0, gt=0.0, description="Timeout of one generate call.")
-    max_retries: int = Field(2, ge=0, description="Retries of a failed generate call before erroring.")
+    verify_tolerance: Optional[float] = Field(
+        None,
+        gt=0.0,
+        description="Largest mean |engine - trainer| logprob on the verify probe accepted after a sync "
+        "(default: 1e-3 for a float32 engine without quantization, 0.05 otherwise).",
+    )
+    engine_process: Literal["auto", "in_process", "subprocess"] = Field(
+        "auto",
+        description="Where the vLLM engine runs: `in_process` (fastest start, weights handed over in "
+        "memory), `subprocess` (vLLM's engine-core process on global rank 0, weights handed over "
+        "through `sync_dir`, restarted if it dies), or `auto`: in-process for a one-rank job, a "
+        "subprocess under torchrun (an in-process vLLM would join the trainer's process group).",
+    )
+    sync_dir: Optional[str] = Field(
+        None,
+        description="Folder for the weight checkpoints handed to an engine in another process "
+        "(vLLM subprocess, SGLang server); default /dev/shm when present, else the temp folder.",
+    )
+    startup_timeout_s: float = Field(
+        900.0, gt=0.0, description="Seconds an engine or server may take to start before it is an error."
+    )
+    request_timeout_s: float = Field(
+        600.0, gt=0.0,
+        description="Time limit of one generate attempt; samples unfinished by then are aborted and retried.",
+    )
+    max_retries: int = Field(
+        2, ge=0,
+        description="Retries of the samples an attempt did not return (timeout, abort, engine death and "
+        "restart) before a RolloutError; a batch is never returned short.",
+    )
     sglang_port: int = Field(30000, ge=1, le=65535, description="Port of the SGLang server (sglang engine).")
     sglang_args: list[str] = Field(
         default_factory=list, description="Extra command-line arguments for `sglang.launch_server`."
@@ -331,7 +366,14 @@ class DataConfig(_Section):
     )
     system_prompt: Optional[str] = Field(
         "Please reason step by step, and put your final answer within \\boxed{}.",
-        description="System instruction added when a prompt has no system message (null: none).",
+        description="System instruction added when a prompt has no system message (null: none). With "
+        "`tir.enabled` and this key unset, the TIR instruction is used instead (megatron_alp.config."
+        "TIR_SYSTEM_PROMPT: it describes the ```python and ```output blocks), so the model knows the interpreter.",
+    )
+    replace_system_prompt: bool = Field(
+        False,
+        description="Also replace the system message a prompt already has with `system_prompt` (e.g. to "
+        "give single-turn data the TIR instruction); false keeps the data's own.",
     )
     shuffle: bool = Field(True, description="Shuffle prompts each epoch (deterministic in `seed`).")
     seed: int = Field(1, description="Data shuffling seed.")
@@ -348,23 +390,53 @@ class RewardConfig(_Section):
 
 
 class SandboxConfig(_Section):
-    """Limits of the Python interpreter used in tool-integrated reasoning."""
+    """Limits of the Python interpreter used in tool-integrated reasoning. Each execution runs in
+    its own process, confined by Linux namespaces where available (see megatron_alp/tir/sandbox.py)."""
 
-    cpu_time_s: float = Field(5.0, gt=0.0, description="CPU seconds per execution.")
-    wall_time_s: float = Field(10.0, gt=0.0, description="Wall-clock seconds per execution.")
+    cpu_time_s: float = Field(5.0, gt=0.0, description="CPU seconds per execution (rounded up to whole seconds).")
+    wall_time_s: float = Field(
+        10.0, gt=0.0, description="Wall-clock seconds per execution; then every process it started is killed."
+    )
     memory_mb: int = Field(1024, ge=16, description="Address-space limit per execution (MiB).")
-    max_output_bytes: int = Field(8192, ge=64, description="Output kept per execution (bytes).")
+    max_output_bytes: int = Field(
+        8192, ge=64, description="Output kept per execution (bytes); longer output keeps its head and tail "
+        "around a truncation marker."
+    )
     max_processes: int = Field(1, ge=1, description="Processes the executed code may have (1: no fork).")
+    max_file_mb: int = Field(64, ge=1, description="Largest file the executed code may write (MiB).")
     workers: int = Field(8, ge=1, description="Executions run in parallel.")
+    require_isolation: bool = Field(
+        False,
+        description="Refuse to start when Linux namespaces are unavailable (no root and no user namespaces), "
+        "instead of running with only resource limits and a Python audit hook.",
+    )
+
+
+TIR_SYSTEM_PROMPT = (
+    "Solve the problem step by step. You may write Python code in a ```python code block; it is "
+    "executed and its output is shown to you in an ```output block. Use it to compute and check. "
+    "Put your final answer within \\boxed{}."
+)
 
 
 class TIRConfig(_Section):
-    """Multi-turn tool-integrated reasoning (paper section 4)."""
+    """Multi-turn tool-integrated reasoning (paper section 4): the model writes ```python blocks,
+    each is executed in the sandbox and its output appended as an ```output block."""
 
     enabled: bool = Field(False, description="Roll out multi-turn episodes with a Python interpreter.")
-    max_turns: int = Field(5, ge=1, description="Code-execution turns per episode.")
+    max_turns: int = Field(
+        5, ge=1, description="Code executions per episode; a further code block ends the episode unexecuted."
+    )
     mask_void_turns: bool = Field(
-        True, description="Exclude turns with neither code nor a final answer from the loss."
+        True,
+        description="Exclude from the loss a turn the model ends with neither a code block nor a final "
+        "\\boxed{} answer (turns cut by the length limit are not void).",
+    )
+    tool_format: Literal["inline", "chat"] = Field(
+        "inline",
+        description="How interpreter output enters the context: `inline` appends the ```output block in the "
+        "assistant message (SimpleTIR, the paper's setup, for base models); `chat` closes the assistant "
+        "message and adds a `tool` message rendered by the tokenizer's chat template.",
     )
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
 
@@ -405,6 +477,13 @@ class TrainerConfig(_Section):
         "gives a random model a partial skill so rewards are not all zero).",
     )
     sft_warmup_lr: float = Field(3e-3, gt=0.0, description="Learning rate of the supervised warm start.")
+    sft_warmup_format: Literal["answer", "tir"] = Field(
+        "answer",
+        description="Target of the supervised warm start: `answer` is \"The answer is \\boxed{x}.\"; `tir` "
+        "(needs `tir.enabled`) is an episode of the multi-turn format, token for token: a ```python block "
+        "that computes the problem, the interpreter's ```output block (masked from the loss, as in RL), "
+        "then the answer. `tir` reads the problem from prompts like data/digits' (\"What is 7 + 9?\").",
+    )
 
 
 class EvalConfig(_Section):
@@ -456,6 +535,10 @@ class Config(_Section):
             )
         if self.trainer.sft_warmup_steps and self.model.tiny is None:
             raise ValueError("trainer.sft_warmup_steps is for tiny models (model.tiny); start real models from a checkpoint")
+        if self.trainer.sft_warmup_format == "tir" and not self.tir.enabled:
+            raise ValueError("trainer.sft_warmup_format=tir warm-starts on multi-turn episodes and needs tir.enabled: true")
+        if self.tir.enabled and "system_prompt" not in self.data.model_fields_set:
+            self.data = self.data.model_copy(update={"system_prompt": TIR_SYSTEM_PROMPT})
         return self
 
 

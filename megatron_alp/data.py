@@ -136,9 +136,10 @@ def normalize_answer(value: Any) -> str:
     return text
 
 
-def build_messages(prompt: Any, system_prompt: Optional[str]) -> list[dict]:
+def build_messages(prompt: Any, system_prompt: Optional[str], replace: bool = False) -> list[dict]:
     """Chat messages for a prompt given as a string or a message list; the system prompt is added
-    when there is no system message. Raises :class:`SkipRow` for unusable prompts."""
+    when there is no system message (and, with ``replace``, takes the place of the one there is).
+    Raises :class:`SkipRow` for unusable prompts."""
     if isinstance(prompt, str):
         if not prompt.strip():
             raise SkipRow("empty_prompt")
@@ -155,6 +156,8 @@ def build_messages(prompt: Any, system_prompt: Optional[str]) -> list[dict]:
         raise SkipRow("empty_prompt")
     else:
         raise SkipRow("bad_messages")
+    if system_prompt and replace:
+        messages = [m for m in messages if m["role"] != "system"]
     if system_prompt and not any(m["role"] == "system" for m in messages):
         messages.insert(0, {"role": "system", "content": system_prompt})
     return messages
@@ -215,12 +218,13 @@ class PromptDataset:
         if not files:
             raise DataError(f"data.{split}_files is empty: list the {split} prompt files (.parquet or .jsonl)")
         return cls.from_files(files, tokenizer, max_prompt_length, prompt_key=cfg.prompt_key,
-                              answer_key=cfg.answer_key, system_prompt=cfg.system_prompt)
+                              answer_key=cfg.answer_key, system_prompt=cfg.system_prompt,
+                              replace_system_prompt=cfg.replace_system_prompt)
 
     @classmethod
     def from_files(cls, files: list[str], tokenizer, max_prompt_length: int, *, prompt_key: str = "prompt",
                    answer_key: str = "reward_model.ground_truth",
-                   system_prompt: Optional[str] = None) -> "PromptDataset":
+                   system_prompt: Optional[str] = None, replace_system_prompt: bool = False) -> "PromptDataset":
         prompts: list[Prompt] = []
         skipped: Counter = Counter()
         for path in files:
@@ -230,7 +234,7 @@ class PromptDataset:
             for i, row in enumerate(rows):
                 try:
                     answer = normalize_answer(get_path(row, answer_key, None))
-                    messages = build_messages(get_path(row, prompt_key, None), system_prompt)
+                    messages = build_messages(get_path(row, prompt_key, None), system_prompt, replace_system_prompt)
                     prompts.append(make_prompt(tokenizer, messages, answer, f"{path}:{i}", max_prompt_length))
                 except SkipRow as s:
                     skipped[s.reason] += 1

@@ -154,7 +154,7 @@ def load_benchmark(name: str, path: str, tokenizer, cfg: Config, limit: Optional
     for i, row in enumerate(rows[:limit] if limit else rows):
         try:
             question, answer = extract(row)
-            messages = build_messages(question, cfg.data.system_prompt)
+            messages = build_messages(question, cfg.data.system_prompt, cfg.data.replace_system_prompt)
             prompts.append(make_prompt(tokenizer, messages, normalize_answer(answer), f"{path}:{i}",
                                        cfg.rollout.sampling.max_prompt_length))
         except SkipRow as s:

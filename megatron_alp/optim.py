@@ -70,7 +70,11 @@ def build_optimizer(model, opt: OptimizerConfig, pert: PerturbationConfig, paral
     )
     overrides = {
         no_decay: {"wd_mult": 0.0},
-        ParamKey(attr="is_alp_sigma"): {"max_lr": pert.lr, "min_lr": sigma_min_lr, "wd_mult": wd_mult},
+        # `is_decoupled_lr` (true: sigma has its own LR) also keeps this group's Megatron identifier
+        # (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr) distinct from the no-decay group's,
+        # which Megatron's optimizer checkpoint loading needs to tell the two groups apart.
+        ParamKey(attr="is_alp_sigma"): {"max_lr": pert.lr, "min_lr": sigma_min_lr, "wd_mult": wd_mult,
+                                         "is_decoupled_lr": True},
     }
     optimizer = get_megatron_optimizer(mcfg, [model], config_overrides=overrides)
     scheduler = OptimizerParamScheduler(

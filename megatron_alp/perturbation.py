@@ -42,6 +42,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import random as mcore_random
 
 from megatron_alp.config import PerturbationConfig, parse_layer_selection
+from megatron_alp.seeding import derive_seed
 
 NOISE_STREAM = "alp-perturbation-noise"
 
@@ -80,16 +81,6 @@ class PerturbationSite(torch.nn.Module):
         return hidden + noise.to(hidden.dtype)
 
 
-def _mix(*values: int) -> int:
-    """Deterministic 63-bit seed from integers (splitmix64 steps)."""
-    x = 0x9E3779B97F4A7C15
-    for v in values:
-        x = (x ^ (int(v) & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
-        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
-        x ^= x >> 31
-    return x & 0x7FFFFFFFFFFFFFFF
-
-
 def _layer_pre_hook(module, args, kwargs):
     site: PerturbationSite = module.alp_perturbation
     if not site.controller.active:
@@ -123,7 +114,7 @@ class PerturbationController:
     def begin_microbatch(self) -> None:
         """Reseed the noise stream for the next micro-batch of the current step."""
         shard = ps.get_tensor_model_parallel_rank() if self.sequence_parallel else 0
-        seed = _mix(
+        seed = derive_seed(
             self.cfg.seed,
             self.step,
             self.microbatch,

@@ -81,10 +81,15 @@ def build_rl_batch(trajectories: list[Trajectory], advantages: torch.Tensor, pad
     return RLBatch(tokens, targets, mask, rollout, advantages.float().reshape(n), lengths)
 
 
-def dp_shard(batch: RLBatch, dp_rank: int, dp_size: int) -> RLBatch:
-    """This data-parallel rank's contiguous share of the rows (sizes checked by the trainer)."""
-    per = len(batch) // dp_size
-    return batch.select(slice(dp_rank * per, (dp_rank + 1) * per))
+def dp_shard(batch: RLBatch, dp_rank: int, dp_size: int, mini_batches: int = 1) -> RLBatch:
+    """This data-parallel rank's rows: its contiguous share of each of the ``mini_batches`` equal
+    mini-batches, in order, so that :func:`mini_batches` of the shard gives this rank's part of
+    every optimizer step and each step trains on the same rows whatever the data-parallel size
+    (sizes checked by the trainer)."""
+    per_mini = len(batch) // mini_batches
+    per = per_mini // dp_size
+    starts = [m * per_mini + dp_rank * per for m in range(mini_batches)]
+    return batch.select(torch.cat([torch.arange(s, s + per) for s in starts]))
 
 
 def mini_batches(batch: RLBatch, count: int) -> list[RLBatch]:

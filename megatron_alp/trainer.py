@@ -7,9 +7,11 @@ One iteration, as in the paper's setup:
 
 Every rank runs this file under torchrun. Prompt sampling is deterministic and identical on all
 ranks; rollouts and rewards are produced once and broadcast; each data-parallel rank trains on
-its share. Randomness is re-derived from (seed, iteration) at the start of every iteration and
-ALP noise from (seed, step, micro-batch, ranks), so a resumed run replays exactly what an
-uninterrupted run would have done.
+its share of every mini-batch, so an optimizer step sees the same rows on any number of ranks.
+Randomness is re-derived from (seed, iteration) at the start of every iteration, each rollout
+sample from (seed, iteration, prompt, sample) (``rollout.sampling.per_sample_seeds``) and ALP
+noise from (seed, step, micro-batch, ranks), so a resumed run replays exactly what an
+uninterrupted run would have done, and another parallel layout samples the same rollouts.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
@@ -26,6 +27,7 @@ import torch.distributed as dist
 import yaml
 
 from megatron_alp.config import Config, load_config
+from megatron_alp.seeding import derive_seed
 
 
 def add_arguments(parser) -> None:
@@ -54,12 +56,6 @@ def _seed_everything(seed: int) -> None:
         torch.cuda.manual_seed(seed)
 
 
-def _mix(*values: int) -> int:
-    from megatron_alp.perturbation import _mix as mix
-
-    return mix(*values) % (2**31)
-
-
 class RLTrainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -85,6 +81,7 @@ class RLTrainer:
         self.ps = ps
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._lock = lock_run_dir(self.run_dir)
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         self._check_batch_layout()
         self.model_dir = self._prepare_model_dir()
@@ -143,7 +140,7 @@ class RLTrainer:
 
         from megatron_alp.data import PromptDataset, load_tokenizer
         from megatron_alp.models.tiny import make_tiny_model
-        from megatron_alp.models.warmstart import warm_start
+        from megatron_alp.models.warmstart import warm_start, warmup_examples
 
         cfg = self.cfg
         tmp = path.with_name(path.name + ".tmp")
@@ -152,7 +149,7 @@ class RLTrainer:
         if cfg.trainer.sft_warmup_steps:
             tok = load_tokenizer(tmp)
             data = PromptDataset.from_config(cfg.data, tok, cfg.rollout.sampling.max_prompt_length, split="train")
-            examples = [(p.prompt_ids, p.ground_truth) for p in data]
+            examples = warmup_examples(data, tok, cfg.trainer.sft_warmup_format, cfg.tir.tool_format)
             stats = warm_start(tmp, examples, tok, steps=cfg.trainer.sft_warmup_steps, lr=cfg.trainer.sft_warmup_lr,
                                seed=cfg.trainer.seed)
             print(f"warm start: loss {stats['warmstart/first_loss']:.3f} -> {stats['warmstart/last_loss']:.3f} "
@@ -245,11 +242,14 @@ class RLTrainer:
             print(f"plot: skipped ({err})", flush=True)
 
     def _sampling_params(self):
+        from megatron_alp.platform import has_gpu
         from megatron_alp.rollout.base import SamplingParams
 
         s = self.cfg.rollout.sampling
+        seeded = s.per_sample_seeds if s.per_sample_seeds is not None else not has_gpu()
         return SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                              max_tokens=s.max_response_length)
+                              max_tokens=s.max_response_length,
+                              seed=derive_seed(self.cfg.trainer.seed, self.iteration) if seeded else None)
 
     def _rollouts(self, prompts) -> list:
         from megatron_alp.rollout.base import Trajectory
@@ -293,7 +293,7 @@ class RLTrainer:
         cfg, ps = self.cfg, self.ps
         timing = {}
         t_start = time.time()
-        _seed_everything(_mix(cfg.trainer.seed, self.iteration))
+        _seed_everything(derive_seed(cfg.trainer.seed, self.iteration) % (2**31))
         prompts = self.sampler.next_batch(cfg.trainer.prompts_per_iteration)
 
         t0 = time.time()
@@ -308,7 +308,8 @@ class RLTrainer:
         timing["timing/reward_s"] = time.time() - t0
 
         batch = build_rl_batch(trajectories, advantages, self.pad_id)
-        local = dp_shard(batch, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+        local = dp_shard(batch, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
+                         cfg.trainer.updates_per_iteration)
         temperature = cfg.rollout.sampling.temperature
         mbs = cfg.trainer.micro_batch_size
         t0 = time.time()
@@ -351,6 +352,10 @@ class RLTrainer:
         out["response_length/mean"] = resp.mean().item()
         out["response_length/max"] = resp.max().item()
         out["response/truncated_frac"] = float(np.mean([t.finish_reason == "length" for t in trajectories]))
+        if cfg.tir.enabled:
+            from megatron_alp.tir.multi_turn import tir_metrics
+
+            out.update(tir_metrics(trajectories))
         out["grad_norm"] = float(np.mean([s["grad_norm"] for s in step_stats]))
         out["update/skipped"] = float(sum(not s["update_ok"] for s in step_stats))
         out.update(learning_rates(self.optimizer))
@@ -419,6 +424,34 @@ class RLTrainer:
         from megatron_alp.parallel import destroy_distributed
 
         destroy_distributed()
+
+
+def lock_run_dir(run_dir: Path):
+    """Hold an exclusive lock on ``run_dir`` for the life of this process (global rank 0).
+
+    Two trainers on one run directory would interleave metrics and overwrite each other's
+    checkpoints, e.g. a resume started while the killed job's workers still run (torchrun starts
+    each worker in its own session, so killing the launcher's process group leaves them alive).
+    The kernel drops the lock when the process dies, even by SIGKILL, so a crash never leaves a
+    stale lock behind."""
+    import fcntl
+
+    f = open(run_dir / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise RuntimeError(
+            f"trainer.output_dir {run_dir} is in use by another training process (pid {holder}); "
+            "stop it or choose another output_dir"
+        ) from None
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
 
 
 def _fault_injection(ckpt_dir: Path) -> None:

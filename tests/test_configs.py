@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from megatron_alp.cli import main as cli_main
-from megatron_alp.config import ConfigError, config_docs, load_config, parse_layer_selection
+from megatron_alp.config import (TIR_SYSTEM_PROMPT, ConfigError, DataConfig, config_docs, config_from_dict,
+                                 load_config, parse_layer_selection)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -109,6 +110,25 @@ def test_tir_and_moe_specifics():
     assert tir.trainer.prompts_per_iteration // tir.trainer.updates_per_iteration == 32  # mini-update size
     moe = load_config(ROOT / "configs" / "qwen3-30b-a3b_seq_alp.yaml")
     assert moe.parallel.expert_model_parallel_size == 8
+
+
+def test_tir_system_prompt_and_warm_start_format():
+    """TIR runs tell the model about the interpreter unless the config says otherwise; the TIR warm
+    start needs TIR rollouts."""
+    tir = load_config(ROOT / "configs" / "qwen2.5-7b_tir_seq_alp.yaml")
+    assert tir.data.system_prompt == TIR_SYSTEM_PROMPT and not tir.data.replace_system_prompt
+    quick = load_config(ROOT / "configs" / "quickstart_tir_cpu.yaml")
+    assert "```python" in quick.data.system_prompt and "```output" in quick.data.system_prompt
+    assert quick.data.replace_system_prompt and quick.tir.enabled and quick.tir.tool_format == "inline"
+    assert quick.trainer.sft_warmup_format == "tir" and quick.loss.name == "alp_seq"
+    default = load_config(ROOT / "configs" / "quickstart_tir_cpu.yaml", ["data.system_prompt=null"])
+    assert default.data.system_prompt is None
+    unset = config_from_dict({"model": {"tiny": "qwen2"}, "tir": {"enabled": True}})
+    assert unset.data.system_prompt == TIR_SYSTEM_PROMPT
+    single = load_config(ROOT / "configs" / "quickstart_cpu.yaml")
+    assert single.data.system_prompt == DataConfig().system_prompt
+    with pytest.raises(ConfigError, match="sft_warmup_format=tir .* needs tir.enabled"):
+        load_config(ROOT / "configs" / "quickstart_tir_cpu.yaml", ["tir.enabled=false"])
 
 
 def test_bad_config_names_the_key(tmp_path):

@@ -98,6 +98,9 @@ def test_system_prompt_rules(tmp_path, tokenizer):
     bare = PromptDataset.from_config(DataConfig(train_files=[path], system_prompt=None), tokenizer, 512)
     assert [m["role"] for m in bare[0].messages] == ["user"]
     assert len(bare[0].prompt_ids) < len(ds[0].prompt_ids)
+    replaced = PromptDataset.from_config(DataConfig(train_files=[path], system_prompt="Use code.",
+                                                    replace_system_prompt=True), tokenizer, 512)
+    assert [[m["content"] for m in p.messages if m["role"] == "system"] for p in replaced] == [["Use code."]] * 3
 
 
 def test_malformed_rows_are_skipped_and_counted(tmp_path, tokenizer):

@@ -196,6 +196,59 @@ def test_void_turns_kept_when_not_masked(tok, executor):
     assert t["void_only"].info["void_turns"] == 1 and t["code_void"].info["void_turns"] == 1
 
 
+@pytest.mark.parametrize("tool_format", ["inline", "chat"])
+def test_tir_warm_start_target_is_an_episode_token_for_token(tok, executor, tool_format):
+    """The TIR warm start teaches exactly what an episode is: a policy that samples its model tokens
+    gets the same response ids (with the sandbox's real output) and the same loss mask."""
+    from megatron_alp.models.warmstart import target_ids
+
+    ids, mask = target_ids("tir", tok, "What is 7 + 9?", "16", tool_format)
+    scripts = {"warm": ["```python\nprint(7 + 9)\n```\n", "The answer is \\boxed{16}."]}
+    policy, t, _ = _rollout(tok, scripts, executor, TIRConfig(enabled=True, tool_format=tool_format))
+    traj = t["warm"]
+    assert traj.response_ids == ids and traj.loss_mask == mask
+    assert (traj.finish_reason, traj.num_turns, traj.info["tool_status"]) == ("stop", 2, {"ok": 1})
+    feedback = tok.decode([i for i, m in zip(ids, mask) if not m], skip_special_tokens=False)
+    assert format_output("16\n").rstrip("\n") in feedback
+    assert ids[-1] == tok.eos_token_id and mask[-1] == 1
+
+
+def test_tir_warm_start_reads_the_problem(tok):
+    from megatron_alp.data import Prompt
+    from megatron_alp.models.warmstart import tir_code, warmup_examples
+
+    assert tir_code("What is 7 + 9?", "16") == ("print(7 + 9)\n", "16\n")
+    assert tir_code("Compute 4 - 3.", "1") == ("print(4 - 3)\n", "1\n")
+    for question, truth in (("What is 7?", "7"), ("What is 1 + 2 + 3?", "6"), ("What is 1.5 + 2?", "3.5")):
+        with pytest.raises(ValueError, match="one integer operation"):
+            tir_code(question, truth)
+    with pytest.raises(ValueError, match="ground truth is '5'"):
+        tir_code("What is 2 + 2?", "5")
+    bad = Prompt([1, 2], "4", [{"role": "user", "content": "Find x."}], "data/x.jsonl:3")
+    with pytest.raises(ValueError, match=r"sft_warmup_format=tir: prompt data/x.jsonl:3: .*'Find x.'"):
+        warmup_examples([bad], tok, "tir")
+    (prompt, ids, mask), = warmup_examples([bad], tok, "answer")
+    assert prompt == [1, 2] and mask == [1] * len(ids)
+    assert tok.decode(ids, skip_special_tokens=True) == "The answer is \\boxed{4}."
+
+
+def test_tir_metrics():
+    from megatron_alp.rollout.base import Trajectory
+    from megatron_alp.tir.multi_turn import tir_metrics
+
+    def traj(turns, executions, void, status, finish="stop"):
+        return Trajectory([1], [2], [0.0], [1], "", finish, num_turns=turns,
+                          info={"executions": executions, "void_turns": void, "tool_status": status})
+
+    m = tir_metrics([traj(2, 1, 0, {"ok": 1}), traj(1, 0, 1, {}), traj(3, 2, 0, {"ok": 1, "timeout": 1}, "max_turns"),
+                     traj(1, 0, 0, {})])
+    assert m == pytest.approx({
+        "tir/turns_mean": 7 / 4, "tir/executions_mean": 3 / 4, "tir/used_tool_frac": 2 / 4,
+        "tir/void_turn_frac": 1 / 7, "tir/max_turns_frac": 1 / 4,
+        "tir/status_frac/ok": 2 / 3, "tir/status_frac/timeout": 1 / 3,
+    })
+
+
 def test_length_limit_covers_the_whole_episode(tok, executor):
     long_answer = "word " * 200
     scripts = {
@@ -291,6 +344,9 @@ class VLLMAdapter(RolloutEngine):
     def __init__(self, model_dir, regex):
         from vllm import LLM
 
+        from megatron_alp.rollout.vllm_engine import forget_dead_vllm_groups
+
+        forget_dead_vllm_groups()  # torch.distributed may have been torn down by an earlier test
         self.llm = LLM(model=str(model_dir), dtype="bfloat16", max_model_len=512, enforce_eager=True, seed=0)
         self.regex = regex
 

@@ -42,3 +42,15 @@ def test_splits_keep_every_row_once():
     assert micro[0].lengths.max() >= micro[-1].lengths.max()
     total_mask = sum(m.loss_mask.sum() for m in micro)
     assert total_mask == minis[0].loss_mask.sum()
+
+
+def test_each_optimizer_step_trains_on_the_same_rows_whatever_the_data_parallel_size():
+    b = build_rl_batch([_traj([1], [2] * (i % 5 + 1)) for i in range(16)], torch.arange(16.0), pad_id=0)
+    one_rank = [m.advantages.tolist() for m in mini_batches(dp_shard(b, 0, 1, mini_batches=2), 2)]
+    assert one_rank == [list(range(8)), list(range(8, 16))]
+    for dp in (2, 4):
+        steps = [[] for _ in range(2)]
+        for rank in range(dp):
+            for k, m in enumerate(mini_batches(dp_shard(b, rank, dp, mini_batches=2), 2)):
+                steps[k] += m.advantages.tolist()
+        assert steps == one_rank

@@ -39,16 +39,12 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from megatron_alp.rewards.math_verify import extract_boxed
 from megatron_alp.rollout.base import Completion, SamplingParams, Trajectory
+from megatron_alp.seeding import derive_seed
 
 if TYPE_CHECKING:
     from megatron_alp.config import TIRConfig
 
 CODE_STOP = "```\n"
-TIR_SYSTEM_PROMPT = (
-    "Solve the problem step by step. You may write Python code in a ```python code block; it is "
-    "executed and its output is shown to you in an ```output block. Use it to compute and check. "
-    "Put your final answer within \\boxed{}."
-)
 
 _CODE_BLOCK = re.compile(r"```(?:python3?|py)[ \t]*\n(.*?)```", re.DOTALL)
 _SENTINEL = "\u2063TIR-ASSISTANT-TURN\u2063"
@@ -191,6 +187,7 @@ def run_episodes(rollout, prompts: list[list[int]], tokenizer, params: SamplingP
     max_len = _engine_max_len(rollout)
     episodes = [_Episode(list(p)) for p in prompts for _ in range(params.n)]
     first = True
+    turn = 0
     while True:
         active = [e for e in episodes if e.finish_reason is None]
         for e in active:
@@ -202,7 +199,11 @@ def run_episodes(rollout, prompts: list[list[int]], tokenizer, params: SamplingP
         if not active:
             break
         rooms = [e.room(budget, max_len) for e in active]
-        turn_params = replace(params, max_tokens=max(rooms), stop=stop, include_stop_str_in_output=True)
+        # a seeded call seeds sample j of prompt i from (seed, i, j): each turn needs its own seed
+        turn_seed = None if params.seed is None else derive_seed(params.seed, turn)
+        turn += 1
+        turn_params = replace(params, max_tokens=max(rooms), stop=stop, include_stop_str_in_output=True,
+                              seed=turn_seed)
         if first:
             groups = rollout.generate([list(p) for p in prompts], turn_params)
             completions = [c for g in groups for c in g]
@@ -270,6 +271,27 @@ def _take_turn(e: _Episode, c: Completion, room: int, tokenizer, eos_ids: set, c
     void = code is None and extract_boxed(turn_text) is None
     e.close_turn(void=void, mask_void=cfg.mask_void_turns)
     e.finish_reason = "stop"
+
+
+def tir_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    """Per-iteration tool use, from the episodes' ``info``: whether the model writes code, whether
+    it runs, and how often turns are void or episodes hit the turn limit."""
+    n = max(len(trajectories), 1)
+    turns = sum(t.num_turns for t in trajectories)
+    executions = [t.info.get("executions", 0) for t in trajectories]
+    statuses: Counter = Counter()
+    for t in trajectories:
+        statuses.update(t.info.get("tool_status", {}))
+    out = {
+        "tir/turns_mean": turns / n,
+        "tir/executions_mean": sum(executions) / n,
+        "tir/used_tool_frac": sum(x > 0 for x in executions) / n,
+        "tir/void_turn_frac": sum(t.info.get("void_turns", 0) for t in trajectories) / max(turns, 1),
+        "tir/max_turns_frac": sum(t.finish_reason == "max_turns" for t in trajectories) / n,
+    }
+    total = sum(statuses.values())
+    out.update({f"tir/status_frac/{k}": statuses[k] / max(total, 1) for k in sorted(statuses)})
+    return out
 
 
 def _to_trajectory(e: _Episode, tokenizer) -> Trajectory:

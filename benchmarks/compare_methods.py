@@ -1,0 +1,109 @@
+"""Training-inference mismatch of two (or more) objectives on the same task, side by side.
+
+Trains the CPU quickstart (or any config) once per ``--methods`` entry from the same
+warm-started base model, seed and data order, with the rollout engine in the precision given
+by ``--rollout-dtype`` / ``--quantization`` (bf16 or FP8 rollouts against an fp32 trainer), then
+prints per method, over the iterations:
+
+- the importance-ratio envelope ``P98 / P2`` of pi_train / pi_rollout on the loss tokens, where
+  pi_train is the forward the loss used (perturbed for ALP): its mean and its worst iteration;
+- the train-vs-rollout KL (k3 estimate of KL(pi_rollout || pi_train), unperturbed old policy);
+- the mean reward of the first and last iterations.
+
+The first method's run creates the warm-started base model; the others start from a copy of it
+(``model.hf_path``), so every difference comes from the objective. Ratios are printed against
+the first method.
+
+    python benchmarks/compare_methods.py                                   # Token-ALP vs Seq-Bypass, bf16 rollouts
+    python benchmarks/compare_methods.py --quantization fp8_per_channel    # FP8 rollouts
+    python benchmarks/compare_methods.py --methods alp_seq seq_mis grpo --iterations 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+UNPERTURBED = {"grpo", "gspo", "token_mis", "seq_mis", "token_tis", "seq_bypass"}
+
+
+def run_method(method: str, run_dir: Path, base: Path | None, args) -> list[dict]:
+    overrides = [
+        f"trainer.output_dir={run_dir}", f"trainer.iterations={args.iterations}",
+        f"trainer.save_interval={args.iterations}", "trainer.progress_bar=false", "trainer.tensorboard=false",
+        f"loss.name={method}", f"perturbation.enabled={'false' if method in UNPERTURBED else 'true'}",
+        f"rollout.dtype={args.rollout_dtype}", f"rollout.quantization={args.quantization}",
+        *args.overrides,
+    ]
+    if method.endswith("_seq") or method.startswith("seq_") or method == "gspo":
+        overrides += [f"loss.clip_low={args.seq_clip[0]}", f"loss.clip_high={args.seq_clip[1]}"]
+    if base is not None:
+        overrides += ["model.tiny=null", f"model.hf_path={base}", "trainer.sft_warmup_steps=0"]
+    cmd = [sys.executable, "-m", "megatron_alp.cli", "train", str(args.config), *overrides]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    print(f"--- {method}: {' '.join(cmd[3:])}", flush=True)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{method} failed (rc={proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def summarize(rows: list[dict]) -> dict:
+    width = [r["ratio/p98"] / r["ratio/p2"] for r in rows if r.get("ratio/p2", 0) > 0]
+    kl = [r["mismatch/kl_k3"] for r in rows if math.isfinite(r.get("mismatch/kl_k3", math.nan))]
+    return {
+        "envelope P98/P2 (mean)": sum(width) / len(width),
+        "envelope P98/P2 (max)": max(width),
+        "ratio max (max)": max(r["ratio/max"] for r in rows),
+        "KL k3 train-rollout (mean)": sum(kl) / len(kl),
+        "KL k3 train-rollout (max)": max(kl),
+        "reward first": rows[0]["reward/mean"],
+        "reward last": rows[-1]["reward/mean"],
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", type=Path, default=ROOT / "configs" / "quickstart_cpu.yaml")
+    p.add_argument("--methods", nargs="+", default=["alp_token", "seq_bypass"])
+    p.add_argument("--iterations", type=int, default=12)
+    p.add_argument("--rollout-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", default="none", choices=["none", "fp8", "fp8_per_channel"])
+    p.add_argument("--seq-clip", type=float, nargs=2, default=(0.5, 3.0),
+                   help="clip_low clip_high for sequence-level ratios (paper: 0.5 3.0)")
+    p.add_argument("--out", type=Path, default=None, help="run directories go here (default: a temp dir)")
+    p.add_argument("overrides", nargs="*", help="extra KEY=VALUE config overrides for every run")
+    args = p.parse_args()
+
+    root = args.out or Path(tempfile.mkdtemp(prefix="compare_methods_"))
+    results, base = {}, None
+    for method in args.methods:
+        rows = run_method(method, root / method, base, args)
+        results[method] = summarize(rows)
+        if base is None and (root / method / "base_model" / "config.json").is_file():
+            base = root / method / "base_model"
+
+    first = args.methods[0]
+    rollout = args.rollout_dtype + ("" if args.quantization == "none" else f" + {args.quantization}")
+    print(f"\nrollouts: {rollout}; {args.iterations} iterations each; runs in {root}")
+    header = f"{'metric':<28}" + "".join(f"{m:>14}" for m in args.methods)
+    header += "".join(f"{m + '/' + first:>22}" for m in args.methods[1:])
+    print(header)
+    for key in results[first]:
+        line = f"{key:<28}" + "".join(f"{results[m][key]:>14.4g}" for m in args.methods)
+        for m in args.methods[1:]:
+            ref = results[first][key]
+            line += f"{(results[m][key] / ref if ref else math.nan):>22.3f}"
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
