@@ -375,6 +375,11 @@ class DataConfig(_Section):
         description="Also replace the system message a prompt already has with `system_prompt` (e.g. to "
         "give single-turn data the TIR instruction); false keeps the data's own.",
     )
+    max_train_prompts: Optional[int] = Field(
+        None, ge=1, description="RL trains on only the first N usable training prompts (null: all of them), "
+        "e.g. for a quick run on a fixed pool or an overfitting check. The tiny-model warm start "
+        "(`trainer.sft_warmup_steps`) still reads every training prompt.",
+    )
     shuffle: bool = Field(True, description="Shuffle prompts each epoch (deterministic in `seed`).")
     seed: int = Field(1, description="Data shuffling seed.")
 

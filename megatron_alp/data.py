@@ -242,6 +242,10 @@ class PromptDataset:
             raise DataError(f"no usable prompts in {list(files)} (skipped rows by reason: {dict(skipped)})")
         return cls(prompts, skipped)
 
+    def head(self, n: Optional[int]) -> "PromptDataset":
+        """The first ``n`` prompts (all of them when ``n`` is None)."""
+        return self if n is None else PromptDataset(self.prompts[:n], self.skipped)
+
     def __len__(self) -> int:
         return len(self.prompts)
 

@@ -88,7 +88,8 @@ class RLTrainer:
         self.tokenizer = load_tokenizer(self.model_dir)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         sampling = cfg.rollout.sampling
-        self.dataset = PromptDataset.from_config(cfg.data, self.tokenizer, sampling.max_prompt_length, split="train")
+        self.dataset = PromptDataset.from_config(
+            cfg.data, self.tokenizer, sampling.max_prompt_length, split="train").head(cfg.data.max_train_prompts)
         if self.rank == 0 and getattr(self.dataset, "skipped", None):
             print(f"data: skipped rows {dict(self.dataset.skipped)}", flush=True)
         self.sampler = PromptSampler(self.dataset, seed=cfg.data.seed, shuffle=cfg.data.shuffle)

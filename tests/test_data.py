@@ -81,6 +81,8 @@ def test_load_shipped_jsonl_and_parquet(tokenizer):
     assert p.messages[1]["content"] in text and p.source.endswith("train.jsonl:0")
     assert p.ground_truth == _rows(DATA / "arith" / "train.jsonl")[0]["reward_model"]["ground_truth"]
     assert val[200].source.endswith("sample.parquet:0") and val[200].prompt_ids == val[0].prompt_ids
+    head = train.head(64)
+    assert len(head) == 64 and head[63].source == train[63].source and train.head(None) is train
 
 
 def test_system_prompt_rules(tmp_path, tokenizer):
