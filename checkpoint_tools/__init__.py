@@ -8,7 +8,6 @@ weight sync use. This module holds what the conversion jobs share.
 
 from __future__ import annotations
 
-import math
 import shutil
 from pathlib import Path
 
@@ -32,7 +31,7 @@ def parallel_config(tp: int, pp: int, ep: int, moe: bool):
 
 def world_size(tp: int, pp: int, ep: int) -> int:
     """Ranks a layout needs: each stage holds TP ranks and EP x (expert TP = TP) expert ranks."""
-    return pp * math.lcm(tp, ep * tp)
+    return tp * pp * ep
 
 
 def build_model(hf_config: dict, parallel, dtype: str, layer_spec: str, source: str, perturbation=None):

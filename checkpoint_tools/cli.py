@@ -24,12 +24,12 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import checkpoint_tools
+from megatron_alp.parallel import free_port
 
 BAD_INPUT = (ValueError, FileNotFoundError, FileExistsError, KeyError)
 
@@ -137,19 +137,13 @@ def _under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(args, nproc: int) -> int:
     """Run this action on ``nproc`` local ranks through torchrun; clean up after a failure."""
     root = str(Path(checkpoint_tools.__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     env.setdefault("OMP_NUM_THREADS", "1")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}",
            "-m", "checkpoint_tools.cli", "--job", json.dumps(vars(args))]
     rc = subprocess.call(cmd, env=env)
     out = getattr(args, "out", None)

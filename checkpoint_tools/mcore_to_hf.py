@@ -17,8 +17,8 @@ from typing import Optional
 import torch
 
 from checkpoint_tools import build_model, copy_hf_side_files, is_rank0
+from megatron_alp.models.hf_weights import INDEX_FILE
 
-INDEX_FILE = "model.safetensors.index.json"
 
 
 _SAFETENSORS_DTYPES = {
@@ -62,7 +62,7 @@ class ShardWriter:
         nbytes = tensor.numel() * tensor.element_size()
         if self.pending and self.pending_bytes + nbytes > self.max_bytes:
             self._flush()
-        self.pending[name] = tensor
+        self.pending[name] = tensor.detach().cpu()  # export buckets live on the model's device
         self.pending_bytes += nbytes
         self.total_bytes += nbytes
 

@@ -85,6 +85,7 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
         ctx.save_for_backward(logits, local, here, lse, entropy if with_entropy else lse)
         ctx.temperature, ctx.chunk, ctx.with_entropy = temperature_value, chunk, with_entropy
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # unused entropy gets None, not zeros: backward skips its term
         return (logprobs, entropy) if with_entropy else (logprobs, lse)
 
     @staticmethod

@@ -161,7 +161,7 @@ class RLTrainer:
         from megatron_alp.models.builder import build_gpt_model
         from megatron_alp.models.hf_weights import load_hf_weights
         from megatron_alp.optim import build_optimizer, wrap_for_training
-        from megatron_alp.policy_loss import needs_old_logprobs
+        from megatron_alp.policy_loss import needs_old_logprobs, needs_ref_logprobs
 
         cfg = self.cfg
         policy = build_gpt_model(self.args, cfg.model, cfg.parallel, cfg.perturbation)
@@ -177,7 +177,7 @@ class RLTrainer:
 
             load_checkpoint(cfg.model.load, self.policy_module, strict=True)
         self.reference = None
-        if cfg.loss.kl_coef > 0:
+        if needs_ref_logprobs(cfg.loss):
             self.reference = build_gpt_model(self.args, cfg.model, cfg.parallel, perturbation=None)
             if cfg.model.load is None:
                 load_hf_weights(self.reference, self.model_dir)

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import _free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart_cpu.yaml"
@@ -42,14 +43,6 @@ def train(run_dir: Path, *overrides: str, env: dict | None = None, nproc: int = 
 def metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

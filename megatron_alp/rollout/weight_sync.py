@@ -25,9 +25,9 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
+from megatron_alp.models.hf_weights import INDEX_FILE
 from megatron_alp.models.weight_mapping import is_sigma
 
-INDEX_FILE = "model.safetensors.index.json"
 # Copied next to the weights so the folder is a loadable model directory (engine restarts).
 _CONFIG_FILES = ("config.json", "generation_config.json")
 
