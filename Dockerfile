@@ -17,17 +17,24 @@
 #   `python -m sglang.launch_server` with the interpreter named by MEGATRON_ALP_SGLANG_PYTHON.
 # * NGC images pin their packages through PIP_CONSTRAINT=/etc/pip/constraint.txt; the pins above
 #   must win, so the constraint is cleared.
+# * Transformer Engine stays inside the range megatron-core 0.16.1 declares (>=2.9, <2.12): a newer
+#   TE changes layer internals Megatron-Core 0.16 calls into. apex compiles for the GPU generations
+#   the configs target (A100 8.0, H100/H200 9.0): without TORCH_CUDA_ARCH_LIST its build would
+#   probe a GPU, and there is none while building.
+# * The SGLang environment is made by virtualenv, which brings its own pip: the image's python may
+#   lack ensurepip, which `python -m venv` needs.
 ARG NGC_TAG=25.12
 FROM nvcr.io/nvidia/pytorch:${NGC_TAG}-py3
 
 ARG VLLM_VERSION=0.33.0
 ARG SGLANG_VERSION=0.5.23
 ARG MCORE_VERSION=0.16.1
-ARG TE_VERSION=2.20.2
+ARG TE_VERSION=2.11.0
 ARG APEX_REF=master
 ARG MODELOPT_VERSION=0.47.0
 ARG MATH_VERIFY_VERSION=0.9.0
 ARG MAX_JOBS=16
+ARG TORCH_CUDA_ARCH_LIST="8.0;9.0"
 
 ENV PIP_CONSTRAINT="" \
     PIP_NO_CACHE_DIR=1 \
@@ -41,19 +48,21 @@ RUN pip uninstall -y transformer-engine transformer-engine-cu12 transformer-engi
  && pip install "vllm==${VLLM_VERSION}"
 
 # 2. Transformer Engine and apex compiled against that torch (fused kernels, FP8, TE layer spec).
-RUN NVTE_FRAMEWORK=pytorch MAX_JOBS=${MAX_JOBS} \
+RUN NVTE_FRAMEWORK=pytorch MAX_JOBS=${MAX_JOBS} NVTE_CUDA_ARCHS="80;90" \
     pip install --no-build-isolation "transformer_engine[pytorch]==${TE_VERSION}"
 RUN git clone https://github.com/NVIDIA/apex /tmp/apex \
  && git -C /tmp/apex checkout "${APEX_REF}" \
- && cd /tmp/apex && APEX_CPP_EXT=1 APEX_CUDA_EXT=1 MAX_JOBS=${MAX_JOBS} pip install --no-build-isolation . \
+ && cd /tmp/apex && TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST}" APEX_CPP_EXT=1 APEX_CUDA_EXT=1 MAX_JOBS=${MAX_JOBS} \
+    pip install --no-build-isolation . \
  && rm -rf /tmp/apex
 
 # 3. Megatron-Core, rule-based math rewards, FP8 quantization of rollout checkpoints.
 RUN pip install "megatron-core==${MCORE_VERSION}" "math-verify==${MATH_VERIFY_VERSION}" \
-    "nvidia-modelopt[torch]==${MODELOPT_VERSION}"
+    "nvidia-modelopt==${MODELOPT_VERSION}"
 
 # 4. SGLang in its own environment (its torch pin conflicts with vLLM's).
-RUN python -m venv /opt/sglang \
+RUN pip install virtualenv \
+ && python -m virtualenv /opt/sglang \
  && /opt/sglang/bin/pip install "sglang[all]==${SGLANG_VERSION}"
 
 # 5. megatron-alp itself (editable, so a mounted checkout at the same path can replace it).

@@ -98,7 +98,7 @@ def child(mode: str, src: str, dst: str, shard_bytes: int) -> dict:
                 for p in local_params(model, mapping):
                     t = mapping.to_mcore(p.match, [full[n] for n in p.match.hf_names])
                     p.param.copy_(shard(t, p.match.name, p.partition_dim, p.tp_rank, p.tp_size, gated=True))
-            save_checkpoint(dst, model, hf_config=hf_config)
+            save_checkpoint(dst, model, hf_config=hf_config, hf_dir=src)
     else:
         if mode == "mcore-to-hf streaming":
             from checkpoint_tools.mcore_to_hf import convert

@@ -30,20 +30,20 @@ import sys
 import tempfile
 from pathlib import Path
 
+from megatron_alp.policy_loss import POLICY_LOSSES
+
 ROOT = Path(__file__).resolve().parents[1]
-UNPERTURBED = {"grpo", "gspo", "token_mis", "seq_mis", "token_tis", "seq_bypass"}
 
 
 def run_method(method: str, run_dir: Path, base: Path | None, args) -> list[dict]:
     overrides = [
         f"trainer.output_dir={run_dir}", f"trainer.iterations={args.iterations}",
         f"trainer.save_interval={args.iterations}", "trainer.progress_bar=false", "trainer.tensorboard=false",
-        f"loss.name={method}", f"perturbation.enabled={'false' if method in UNPERTURBED else 'true'}",
+        # the loss declares whether it perturbs and its clip range (megatron_alp/policy_loss.py)
+        f"loss.name={method}", "perturbation.enabled=null", "loss.clip_low=null", "loss.clip_high=null",
         f"rollout.dtype={args.rollout_dtype}", f"rollout.quantization={args.quantization}",
         *args.overrides,
     ]
-    if method.endswith("_seq") or method.startswith("seq_") or method == "gspo":
-        overrides += [f"loss.clip_low={args.seq_clip[0]}", f"loss.clip_high={args.seq_clip[1]}"]
     if base is not None:
         overrides += ["model.tiny=null", f"model.hf_path={base}", "trainer.sft_warmup_steps=0"]
     cmd = [sys.executable, "-m", "megatron_alp.cli", "train", str(args.config), *overrides]
@@ -72,12 +72,11 @@ def summarize(rows: list[dict]) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, default=ROOT / "configs" / "quickstart_cpu.yaml")
-    p.add_argument("--methods", nargs="+", default=["alp_token", "seq_bypass"])
+    p.add_argument("--methods", nargs="+", default=["alp_token", "seq_bypass"], choices=sorted(POLICY_LOSSES),
+                   metavar="LOSS", help=f"registered losses: {', '.join(POLICY_LOSSES)}")
     p.add_argument("--iterations", type=int, default=12)
     p.add_argument("--rollout-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--quantization", default="none", choices=["none", "fp8", "fp8_per_channel"])
-    p.add_argument("--seq-clip", type=float, nargs=2, default=(0.5, 3.0),
-                   help="clip_low clip_high for sequence-level ratios (paper: 0.5 3.0)")
     p.add_argument("--out", type=Path, default=None, help="run directories go here (default: a temp dir)")
     p.add_argument("overrides", nargs="*", help="extra KEY=VALUE config overrides for every run")
     args = p.parse_args()

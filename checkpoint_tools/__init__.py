@@ -8,12 +8,8 @@ weight sync use. This module holds what the conversion jobs share.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
-
-# Files of an HF model directory that are not weights (config, tokenizer, chat template, ...).
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
-WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+from typing import Optional
 
 
 def parallel_config(tp: int, pp: int, ep: int, moe: bool):
@@ -49,12 +45,27 @@ def build_model(hf_config: dict, parallel, dtype: str, layer_spec: str, source: 
     return build_gpt_model(args, cfg, parallel, perturbation)
 
 
-def copy_hf_side_files(src: Path, dst: Path) -> None:
-    """Copy config, tokenizer and generation files (everything but weights) from ``src``."""
-    dst.mkdir(parents=True, exist_ok=True)
-    for f in sorted(Path(src).iterdir()):
-        if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES) and f.name not in WEIGHT_INDEXES:
-            shutil.copy2(f, dst / f.name)
+def hf_source(mcore_dir, hf_ref: Optional[str] = None, *, need_tokenizer: bool) -> tuple[dict, Optional[Path]]:
+    """The HF config a Megatron checkpoint recorded and the folder of its tokenizer files (None if
+    it has none). ``hf_ref`` (``--hf-ref``) replaces both: checkpoints saved without them need it.
+    The errors name what the checkpoint lacks and the option."""
+    from megatron_alp.dist_checkpoint import HF_SUBDIR, META_FILE, read_metadata
+    from megatron_alp.models.families import load_hf_config
+
+    mcore_dir = Path(mcore_dir)
+    meta = read_metadata(mcore_dir)
+    if hf_ref:
+        return load_hf_config(hf_ref), Path(hf_ref)
+    if not meta.get("hf_config"):
+        raise ValueError(f"{mcore_dir / META_FILE}: the checkpoint records no HF config (saved without one); "
+                         "pass --hf-ref with the HF model directory it was trained from")
+    files = mcore_dir / HF_SUBDIR
+    if not files.is_dir():
+        if need_tokenizer:
+            raise FileNotFoundError(f"{files}: the checkpoint holds no tokenizer files (saved without them); "
+                                    "pass --hf-ref with the HF model directory it was trained from")
+        files = None
+    return meta["hf_config"], files
 
 
 def dtype_name(dtype) -> str:

@@ -6,13 +6,13 @@ plainly, a command that needs more than one rank launches itself through
 nodes), it runs in place. Inputs are checked before any rank starts, so a wrong architecture, a
 missing shard or a layout that does not divide the model fails at once with the file or field
 named. Outputs are written to ``<out>.tmp-XXXX`` and renamed when complete; a failed run leaves
-no ``<out>``.
+no ``<out>``. Checkpoints record their HF config and tokenizer (trainer checkpoints and converted
+ones alike), so the export needs no other input; ``--hf-ref`` supplies them for older checkpoints.
 
 Examples::
 
     megatron-alp convert hf-to-mcore --hf Qwen2.5-7B --out ckpt/qwen7b --tp 2 --pp 1
-    megatron-alp convert mcore-to-hf --mcore runs/x/checkpoints/iter_0000100 --out hf_out \\
-        --hf-ref Qwen2.5-7B
+    megatron-alp convert mcore-to-hf --mcore runs/x/checkpoints/iter_0000100 --out hf_out
     megatron-alp convert reshard --mcore ckpt/qwen7b --out ckpt/qwen7b_pp2 --tp 1 --pp 2
     megatron-alp convert verify --hf Qwen2.5-7B --mcore ckpt/qwen7b --tp 2
 """
@@ -61,14 +61,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--mcore", required=True, help="Megatron checkpoint directory")
     p.add_argument("--out", required=True, help="HF directory to create")
     p.add_argument("--hf-ref", default=None,
-                   help="original HF directory, for config/tokenizer when the checkpoint has none "
-                   "(trainer checkpoints)")
+                   help="HF model directory whose config and tokenizer to use instead of the checkpoint's "
+                   "(needed for checkpoints that record none)")
     p.add_argument("--max-shard-size", type=_size, default=_size("5GB"), help="largest safetensors file (default 5GB)")
     _layout_args(p)
     p = sub.add_parser("reshard", help="rewrite a Megatron checkpoint under another TP/PP/EP layout")
     p.add_argument("--mcore", required=True, help="Megatron checkpoint directory")
     p.add_argument("--out", required=True, help="checkpoint directory to create")
-    p.add_argument("--hf-ref", default=None, help="original HF directory, when the checkpoint has no HF config")
+    p.add_argument("--hf-ref", default=None,
+                   help="HF model directory whose config and tokenizer to carry instead of the checkpoint's")
     _layout_args(p)
     p = sub.add_parser("verify", help="compare HF and Megatron logits on a fixed batch")
     p.add_argument("--hf", required=True, help="HF model directory")
@@ -78,21 +79,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _hf_config_of(args) -> dict:
-    from megatron_alp.dist_checkpoint import read_metadata
-    from megatron_alp.models.families import load_hf_config
-
     if args.action == "hf-to-mcore":
         from megatron_alp.models.hf_weights import open_hf_checkpoint
 
         return open_hf_checkpoint(args.hf)[0]
-    meta = read_metadata(args.mcore)
     if args.action == "verify":
+        from megatron_alp.dist_checkpoint import read_metadata
+        from megatron_alp.models.families import load_hf_config
+
+        read_metadata(args.mcore)
         return load_hf_config(args.hf)
-    if meta.get("hf_config"):
-        return meta["hf_config"]
-    if not args.hf_ref:
-        raise ValueError(f"{args.mcore}: the checkpoint has no HF config; pass --hf-ref with the original HF directory")
-    return load_hf_config(args.hf_ref)
+    return checkpoint_tools.hf_source(args.mcore, args.hf_ref, need_tokenizer=args.action == "mcore-to-hf")[0]
 
 
 def check(args):

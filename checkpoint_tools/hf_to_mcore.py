@@ -2,8 +2,8 @@
 
 Runs on every rank of a job whose layout is ``parallel``: each rank builds its model stage, reads
 only the HF tensors it needs (:func:`megatron_alp.models.hf_weights.load_hf_weights`) and writes
-its shards. The checkpoint also keeps the HF config and tokenizer files (``hf/``) so the export
-back needs nothing else.
+its shards. The checkpoint also records the HF config and keeps the tokenizer files, so the
+export back needs nothing else.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from checkpoint_tools import build_model, copy_hf_side_files, dtype_name, is_rank0
+from checkpoint_tools import build_model, dtype_name
 
 
 def convert(hf_dir, out_dir, parallel, *, layer_spec: str = "auto", dtype: Optional[str] = None) -> None:
     """Write ``out_dir`` from ``hf_dir`` (dtype: the HF weights' own unless given)."""
-    from megatron_alp.dist_checkpoint import HF_SUBDIR, save_checkpoint
+    from megatron_alp.dist_checkpoint import save_checkpoint
     from megatron_alp.models.hf_weights import load_hf_weights, open_hf_checkpoint
     from megatron_alp.parallel import init_distributed
 
@@ -26,10 +26,5 @@ def convert(hf_dir, out_dir, parallel, *, layer_spec: str = "auto", dtype: Optio
     init_distributed(parallel)
     model = build_model(hf_config, parallel, dtype, layer_spec, source=str(hf_dir))
     load_hf_weights(model, hf_dir)
-
-    def add_hf_files(tmp: Path) -> None:
-        if is_rank0():
-            copy_hf_side_files(hf_dir, tmp / HF_SUBDIR)
-
-    save_checkpoint(out_dir, model, hf_config=hf_config, extra={"converted_from": str(hf_dir.resolve())},
-                    before_commit=add_hf_files)
+    save_checkpoint(out_dir, model, hf_config=hf_config, hf_dir=hf_dir,
+                    extra={"converted_from": str(hf_dir.resolve())})

@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 
 from checkpoint_tools import build_model
+from megatron_alp.comm import comm_device
+from megatron_alp.platform import device
 
 DEFAULT_TOL = 1e-4
 
@@ -38,7 +40,8 @@ def megatron_logits(model, tokens: torch.Tensor):
     from megatron_alp.models.sharding import gather_tp
 
     b, s = tokens.shape
-    position_ids = torch.arange(s).unsqueeze(0).expand(b, -1)
+    tokens = tokens.to(device())
+    position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, -1)
     model.eval()
 
     def step(data_iter, m):
@@ -52,7 +55,8 @@ def megatron_logits(model, tokens: torch.Tensor):
     if not ps.is_pipeline_last_stage():
         return None
     logits = outs[0].float()
-    return gather_tp(logits.contiguous(), "logits", logits.dim() - 1, ps.get_tensor_model_parallel_group(), False)
+    return gather_tp(logits.contiguous(), "logits", logits.dim() - 1, ps.get_tensor_model_parallel_group(),
+                     False).cpu()
 
 
 def verify(hf_dir, mcore_dir, parallel, *, layer_spec: str = "auto", tol: float = DEFAULT_TOL) -> float:
@@ -71,9 +75,10 @@ def verify(hf_dir, mcore_dir, parallel, *, layer_spec: str = "auto", tol: float 
     tokens = fixed_batch(int(hf_config["vocab_size"]))
     logits = megatron_logits(model, tokens)
     diff = torch.zeros(())
-    if logits is not None:
+    if logits is not None:  # both on the CPU: the HF model runs there
         diff = (logits - hf_logits(hf_dir, tokens)).abs().max().reshape(())
     if dist.is_initialized():
+        diff = diff.to(comm_device())
         dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     value = diff.item()
     if not dist.is_initialized() or dist.get_rank() == 0:

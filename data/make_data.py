@@ -5,8 +5,12 @@
   4-layer model is briefly warm-started on them and then trained with RL. Train and val share
   no problem.
 * ``digits/train.jsonl`` (465) and ``digits/val.jsonl`` (155): every one-digit a + b and a - b
-  (a >= b) in each phrasing; the CPU quickstart's task, small enough for a tiny model to memorise
-  partly in a short warm start so that RL has something to improve. val holds each problem once.
+  (a >= b) in each phrasing; the TIR quickstart's task (its warm start teaches the model to copy
+  the problem into code). val holds each problem once, in the first phrasing.
+* ``largest/train.jsonl`` (2000) and ``largest/val.jsonl`` (200): "What is the largest number in
+  [6,0,4,8]?" over distinct lists of 1-5 digits (val: lists that are not in train); the CPU
+  quickstart's task, where RL must generalise to held-out problems rather than memorise a pool.
+  Short lists come first in the draw (a one-digit list is a copy), so val holds longer ones.
 * ``arith/sample.parquet``: the first 32 val problems as parquet (same columns, nested).
 * ``benchmarks/*``: a handful of rows in each math benchmark's published column layout
   (Math500, Minerva, OlympiadBench, AIME24, AIME25), with synthetic problems, to test
@@ -64,6 +68,18 @@ def digit_problems() -> list[tuple[str, int, str]]:
     return [(t.format(a=a, op=op, b=b), a + b if op == "+" else a - b, t) for a, op, b in pairs for t in TEMPLATES]
 
 
+def largest_problems(rng: random.Random, count: int) -> list[tuple[str, int]]:
+    """``count`` distinct lists of 1-5 digits (lengths 2-5 twice as likely as 1) and their maximum.
+    Digits are written without spaces, so they are the same tokens as the answer's."""
+    seen, out = set(), []
+    while len(out) < count:
+        digits = tuple(rng.randrange(10) for _ in range(rng.choice((1, 2, 2, 3, 3, 4, 4, 5, 5))))
+        if digits not in seen:
+            seen.add(digits)
+            out.append((f"What is the largest number in [{','.join(map(str, digits))}]?", max(digits)))
+    return out
+
+
 def verl_row(question: str, answer: int, split: str, index: int) -> dict:
     return {
         "data_source": "arith",
@@ -118,6 +134,9 @@ def main(out: Path) -> None:
     write_jsonl(out / "digits" / "train.jsonl", [verl_row(q, x, "train", i) for i, (q, x, _) in enumerate(digits)])
     once = [(q, x) for q, x, t in digits if t == TEMPLATES[0]]
     write_jsonl(out / "digits" / "val.jsonl", [verl_row(q, x, "val", i) for i, (q, x) in enumerate(once)])
+    largest = largest_problems(random.Random(SEED), 2200)
+    for split, rows in (("train", largest[:2000]), ("val", largest[2000:])):
+        write_jsonl(out / "largest" / f"{split}.jsonl", [verl_row(q, x, split, i) for i, (q, x) in enumerate(rows)])
 
 
 if __name__ == "__main__":

@@ -1,10 +1,18 @@
-"""`megatron-alp` command line: one subcommand per job, each implemented in its own module."""
+"""`megatron-alp` command line: one subcommand per job, each implemented in its own module.
+
+Bad input (:class:`~megatron_alp.config.InputError`: a config key, a data file, an argument, or a
+path that does not exist) is reported as one message on stderr with exit status 2; a traceback
+means a bug, and ``--debug`` (or ``MEGATRON_ALP_DEBUG=1``) shows it for bad input too.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+from megatron_alp.config import InputError
 
 # subcommand -> (module, help). Each module defines add_arguments(parser) and run(args) -> int.
 COMMANDS = {
@@ -14,13 +22,21 @@ COMMANDS = {
     "convert": ("checkpoint_tools.cli", "Convert and verify HF <-> Megatron checkpoints."),
     "smoke": ("megatron_alp.smoke", "Tiny model, one perturbed forward/backward (install check)."),
     "make-tiny": ("megatron_alp.models.tiny", "Write a tiny random HF model + tokenizer directory."),
-    "config-docs": ("megatron_alp.config", "Print the configuration reference (Markdown)."),
+    "plan": ("megatron_alp.plan", "Per-GPU memory of each phase of a config, and whether it fits."),
+    "config-docs": ("megatron_alp.config_docs", "Print the configuration reference (Markdown)."),
 }
+
+EXIT_BAD_INPUT = 2
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="megatron-alp", description=__doc__)
+    debug = os.environ.get("MEGATRON_ALP_DEBUG", "") not in ("", "0")
+    if argv and argv[0] == "--debug":
+        debug, argv = True, argv[1:]
+    parser = argparse.ArgumentParser(prog="megatron-alp", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for bad input too")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
@@ -32,7 +48,15 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[argv[0]][0])
     cmd_parser = argparse.ArgumentParser(prog=f"megatron-alp {argv[0]}", description=COMMANDS[argv[0]][1])
     module.add_arguments(cmd_parser)
-    return int(module.run(cmd_parser.parse_args(argv[1:])) or 0)
+    args = cmd_parser.parse_args(argv[1:])
+    try:
+        return int(module.run(args) or 0)
+    except (InputError, FileNotFoundError) as err:
+        if debug:
+            raise
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fails alike: say it once
+            print(f"megatron-alp {argv[0]}: error: {err}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

@@ -17,7 +17,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
-class ConfigError(ValueError):
+class InputError(ValueError):
+    """Bad user input (a config key, a file, an argument): the command line prints the message
+    alone and exits with status 2, with no traceback. The message names what was wrong and what
+    was expected."""
+
+
+class ConfigError(InputError):
     """A configuration file or override is invalid; the message names each offending key."""
 
 
@@ -143,7 +149,17 @@ class PerturbationConfig(_Section):
     """Adaptive Layerwise Perturbation: learnable Gaussian noise on the inputs of chosen layers,
     applied only in the policy-update forward."""
 
-    enabled: bool = Field(True, description="Perturb the policy-update forward (ALP). Off for baselines.")
+    enabled: Optional[bool] = Field(
+        None,
+        description="Perturb the policy-update forward. null (default): exactly when the loss is perturbed "
+        "(`alp_*`; each loss declares it). `true` with a baseline loss is refused unless "
+        "`allow_with_baseline` is set; `false` with an ALP loss is refused.",
+    )
+    allow_with_baseline: bool = Field(
+        False,
+        description="Ablation opt-in: allow `enabled: true` with a loss that is not perturbed (e.g. GRPO "
+        "on a perturbed forward). The run is then no longer the named baseline.",
+    )
     layers: str | list[int | str] = Field(
         "all",
         description="Which transformer layers get noise on their input hidden states: `all`, "
@@ -152,8 +168,8 @@ class PerturbationConfig(_Section):
     )
     shape: Literal["scalar", "vector"] = Field(
         "scalar",
-        description="One sigma per layer (`scalar`) or one per hidden dimension (`vector`, the "
-        "paper's std vector).",
+        description="One sigma per layer (`scalar`, the paper's choice and its official code's) or one per "
+        "hidden dimension of each layer (`vector`, an option).",
     )
     init_std: float = Field(
         1e-4, ge=0.0, description="Initial sigma. 0 reproduces the unperturbed model exactly."
@@ -182,19 +198,24 @@ class PerturbationConfig(_Section):
 
 # ------------------------------------------------------------------------------------- loss
 
-LOSS_NAMES = ("alp_token", "alp_seq", "grpo", "gspo", "token_mis", "seq_mis", "token_tis", "seq_bypass")
-
 
 class LossConfig(_Section):
     """The policy objective (paper section 2 and the appendix table of importance ratios)."""
 
-    name: Literal[LOSS_NAMES] = Field(  # type: ignore[valid-type]
+    name: str = Field(
         "alp_token",
-        description="Policy loss: `alp_token`/`alp_seq` (ratio perturbed-train / rollout), or a "
-        "baseline: `grpo`, `gspo`, `token_mis`, `seq_mis`, `token_tis`, `seq_bypass`.",
+        description="Policy loss by registry name (megatron_alp/policy_loss.py; the table below lists them): "
+        "`alp_token`/`alp_seq` (ratio perturbed-train / rollout), or a baseline such as `grpo`, `gspo`, "
+        "`token_mis`, `seq_mis`, `token_tis`, `seq_bypass`.",
     )
-    clip_low: float = Field(0.2, gt=0.0, lt=1.0, description="Lower clip: ratio >= 1 - clip_low.")
-    clip_high: float = Field(0.28, gt=0.0, description="Upper clip: ratio <= 1 + clip_high.")
+    clip_low: Optional[float] = Field(
+        None, gt=0.0, lt=1.0,
+        description="Lower clip: ratio >= 1 - clip_low. null: the loss's default (0.2 token level, 0.5 sequence level).",
+    )
+    clip_high: Optional[float] = Field(
+        None, gt=0.0,
+        description="Upper clip: ratio <= 1 + clip_high. null: the loss's default (0.28 token level, 3.0 sequence level).",
+    )
     dual_clip_c: Optional[float] = Field(
         10.0, description="Dual-clip bound c (> 1) for negative advantages; null disables it."
     )
@@ -204,7 +225,14 @@ class LossConfig(_Section):
         "the paper's Seq-ALP) or `geometric_mean` (GSPO's length-normalised form).",
     )
     mis_threshold: float = Field(
-        2.0, gt=0.0, description="C for Token-/Seq-MIS: mask when old-train/rollout ratio > C."
+        2.0, gt=0.0,
+        description="C for Token-/Seq-MIS: each sequence's objective is weighted by rho' = prod_t "
+        "pi_old / pi_rollout and masked where rho' > C.",
+    )
+    mis_two_sided: bool = Field(
+        False,
+        description="Token-/Seq-MIS: also mask sequences with rho' < 1/C (the lower bound the paper "
+        "authors' code applies); off: only rho' > C is masked, as the paper's formula says.",
     )
     tis_threshold: float = Field(2.0, gt=0.0, description="C for Token-TIS: truncate the weight at C.")
     log_ratio_clamp: float = Field(
@@ -217,6 +245,12 @@ class LossConfig(_Section):
     kl_type: Literal["k1", "k3"] = Field(
         "k3", description="KL estimator: `k1` (log ratio) or `k3` (low-variance, always >= 0)."
     )
+    kl_clamp: float = Field(
+        10.0, gt=0.0,
+        description="Bound on the per-token KL estimate, [-kl_clamp, kl_clamp] (as verl): k3 grows like "
+        "exp(log-ratio), so without it one token far from the reference dominates the gradient; a token "
+        "beyond the bound contributes no KL gradient.",
+    )
     entropy_coef: float = Field(0.001, ge=0.0, description="Entropy bonus coefficient.")
 
     @field_validator("dual_clip_c")
@@ -224,6 +258,14 @@ class LossConfig(_Section):
     def _check_c(cls, v):
         if v is not None and v <= 1.0:
             raise ValueError(f"dual clip c must be > 1 (got {v})")
+        return v
+
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, v):
+        from megatron_alp.policy_loss import get_policy_loss  # deferred: policy_loss imports this module
+
+        get_policy_loss(v)
         return v
 
 
@@ -281,7 +323,11 @@ class SamplingConfig(_Section):
 class RolloutConfig(_Section):
     """The inference engine that generates rollouts and reports their logprobs."""
 
-    engine: str = Field("vllm", description="Rollout engine by registry name: `vllm` or `sglang`.")
+    engine: str = Field(
+        "vllm",
+        description="Rollout engine by registry name (megatron_alp/rollout: `vllm`, `sglang`); each engine "
+        "refuses at validation the settings it cannot honour (e.g. SGLang with FP8).",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "bfloat16", description="Engine compute precision."
     )
@@ -333,7 +379,15 @@ class RolloutConfig(_Section):
     )
     request_timeout_s: float = Field(
         600.0, gt=0.0,
-        description="Time limit of one generate attempt; samples unfinished by then are aborted and retried.",
+        description="Fixed part of the time limit of one generate attempt (and the limit of other engine "
+        "requests); samples unfinished by then are aborted and retried. An attempt of S samples of up to "
+        "M tokens may take request_timeout_s + S * M / min_tokens_per_s.",
+    )
+    min_tokens_per_s: float = Field(
+        1000.0, gt=0.0,
+        description="Slowest generation rate (tokens per second, all samples of one attempt together) "
+        "accepted before an attempt counts as stuck: the part of the time limit that grows with the batch "
+        "(a 16K-token 4096-sample batch gets ~18 h, a CPU quickstart batch the fixed part).",
     )
     max_retries: int = Field(
         2, ge=0,
@@ -344,7 +398,39 @@ class RolloutConfig(_Section):
     sglang_args: list[str] = Field(
         default_factory=list, description="Extra command-line arguments for `sglang.launch_server`."
     )
+    sglang_python: Optional[str] = Field(
+        None,
+        description="Python interpreter that runs the SGLang server (SGLang pins its own torch, so images "
+        "install it in an environment of its own). Default: $MEGATRON_ALP_SGLANG_PYTHON (the Docker image "
+        "sets it), else the trainer's interpreter.",
+    )
+    offload_weights: bool = Field(
+        True,
+        description="Colocated GPU runs: move Megatron's parameters (the policy's and, with a KL penalty, the "
+        "reference model's) to pinned CPU memory while the engine generates, and back before the logprob "
+        "passes. vLLM needs `gpu_memory_utilization` x the GPU's memory free when it starts and at every "
+        "wake-up; `megatron-alp plan` counts what stays resident (docs/memory_plan.md).",
+    )
+    offload_grads: bool = Field(
+        True,
+        description="Colocated GPU runs: take Megatron's fp32 gradient buffer off the GPU while the engine "
+        "generates (its contents are not needed: it is zeroed before every update). 4 bytes per parameter "
+        "of this rank.",
+    )
+    offload_optimizer: bool = Field(
+        True,
+        description="Colocated GPU runs: move the optimizer state (fp32 master weights and Adam moments, "
+        "12 bytes per parameter, divided over data-parallel ranks by the distributed optimizer) to pinned "
+        "CPU memory while the engine generates, and back before the update.",
+    )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+
+    @model_validator(mode="after")
+    def _engine_accepts(self):
+        from megatron_alp.rollout.base import get_engine  # deferred: the engines import this module
+
+        get_engine(self.engine).check_config(self)
+        return self
 
 
 # ------------------------------------------------------------------------------ data, reward
@@ -397,7 +483,8 @@ class RewardConfig(_Section):
 
 class SandboxConfig(_Section):
     """Limits of the Python interpreter used in tool-integrated reasoning. Each execution runs in
-    its own process, confined by Linux namespaces where available (see megatron_alp/tir/sandbox.py)."""
+    its own process, isolated by Linux namespaces, seccomp and an unprivileged uid; without them
+    training refuses to start unless `allow_unsafe` is set (see docs/sandbox.md)."""
 
     cpu_time_s: float = Field(5.0, gt=0.0, description="CPU seconds per execution (rounded up to whole seconds).")
     wall_time_s: float = Field(
@@ -406,15 +493,21 @@ class SandboxConfig(_Section):
     memory_mb: int = Field(1024, ge=16, description="Address-space limit per execution (MiB).")
     max_output_bytes: int = Field(
         8192, ge=64, description="Output kept per execution (bytes); longer output keeps its head and tail "
-        "around a truncation marker."
+        "around a truncation marker, and an execution that prints 64 times this much is stopped."
     )
     max_processes: int = Field(1, ge=1, description="Processes the executed code may have (1: no fork).")
     max_file_mb: int = Field(64, ge=1, description="Largest file the executed code may write (MiB).")
     workers: int = Field(8, ge=1, description="Executions run in parallel.")
-    require_isolation: bool = Field(
+    disk_mb: int = Field(
+        64, ge=1, description="Size of the private tmpfs each execution writes to (its working directory and "
+        "/tmp), in MiB; it takes memory, not disk, and disappears with the execution."
+    )
+    allow_unsafe: bool = Field(
         False,
-        description="Refuse to start when Linux namespaces are unavailable (no root and no user namespaces), "
-        "instead of running with only resource limits and a Python audit hook.",
+        description="Run model-written code even where full isolation (namespaces, seccomp) is unavailable, "
+        "instead of refusing to start. Local debugging only: the code then runs without namespaces or disk "
+        "quota (never as uid 0) and can read the machine's files, reach local services and, unless the "
+        "trainer runs as root, signal the trainer's processes.",
     )
 
 
@@ -464,7 +557,15 @@ class TrainerConfig(_Section):
     save_interval: int = Field(10, ge=1, description="Save a checkpoint every this many iterations.")
     keep_checkpoints: int = Field(2, ge=1, description="How many recent checkpoints to keep.")
     resume: bool = Field(True, description="Resume from the newest complete checkpoint in output_dir.")
-    eval_interval: int = Field(0, ge=0, description="Evaluate every this many iterations (0: never).")
+    eval_interval: int = Field(
+        0,
+        ge=0,
+        description="Validate every this many iterations and after the last (0: never): the run's rollout "
+        "engine, holding the current (unperturbed) policy, samples `eval.k` answers per problem of "
+        "`data.val_files` at `eval.temperature` and `eval.top_p`, with the same seeds every time; the "
+        "iteration's metrics get `val/reward_mean` (average@k) and `val/pass@j` (j in `eval.pass_k`, up to "
+        "k), per file too (`val/<file>/...`) when there are several. The reward figure draws them.",
+    )
     tensorboard: bool = Field(True, description="Also write metrics to TensorBoard.")
     wandb_project: Optional[str] = Field(None, description="Weights & Biases project (optional).")
     progress_bar: bool = Field(True, description="Show a progress bar with ETA on the console.")
@@ -483,6 +584,14 @@ class TrainerConfig(_Section):
         "gives a random model a partial skill so rewards are not all zero).",
     )
     sft_warmup_lr: float = Field(3e-3, gt=0.0, description="Learning rate of the supervised warm start.")
+    sft_warmup_unboxed: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Fraction of the training prompts whose warm-start answer (format `answer`) leaves out "
+        "the box (\"The answer is 7.\", which math_verify scores 0), chosen with `seed`: the model starts out "
+        "forgetting the box about as often on every problem, and RL can learn to box on held-out ones too.",
+    )
     sft_warmup_format: Literal["answer", "tir"] = Field(
         "answer",
         description="Target of the supervised warm start: `answer` is \"The answer is \\boxed{x}.\"; `tir` "
@@ -493,12 +602,20 @@ class TrainerConfig(_Section):
 
 
 class EvalConfig(_Section):
-    """`megatron-alp eval`: average@k and pass@k on math benchmarks."""
+    """`megatron-alp eval`, and validation during training (`trainer.eval_interval`): average@k and pass@k."""
 
-    files: list[str] = Field(default_factory=list, description="Benchmark files (jsonl/parquet).")
+    files: list[str] = Field(
+        default_factory=list,
+        description="Benchmark files (jsonl/parquet) of `megatron-alp eval` (empty: `data.val_files`).",
+    )
     k: int = Field(32, ge=1, description="Samples per problem (average@k, pass@k).")
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature.")
-    max_response_length: int = Field(4096, ge=1, description="Generation limit (tokens).")
+    max_response_length: int = Field(
+        4096,
+        ge=1,
+        description="Generation limit (tokens), cut with a notice to what the context leaves after the longest "
+        "prompt: the model's `max_position_embeddings` or `rollout.max_model_len` (in training: the engine's).",
+    )
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (1.0 disables).")
     pass_k: list[int] = Field(
         default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256],
@@ -533,12 +650,25 @@ class Config(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
 
     @model_validator(mode="after")
-    def _alp_needs_perturbation(self):
-        if self.loss.name.startswith("alp_") and not self.perturbation.enabled:
+    def _cross_section(self):
+        from megatron_alp.policy_loss import get_policy_loss  # deferred: policy_loss imports this module
+
+        spec = get_policy_loss(self.loss.name)
+        pert = self.perturbation
+        if pert.enabled is None:
+            pert.enabled = spec.perturbed
+        elif pert.enabled and not spec.perturbed and not pert.allow_with_baseline:
             raise ValueError(
-                f"loss.name={self.loss.name} is ALP and needs perturbation.enabled: true "
-                "(the unperturbed single-ratio baseline is seq_bypass)"
+                f"perturbation.enabled: true with loss.name={self.loss.name}, a baseline whose update forward is "
+                "not perturbed: the run would be ALP under a baseline's name. Remove perturbation.enabled (it "
+                "follows the loss), or set perturbation.allow_with_baseline: true for an ablation"
             )
+        elif not pert.enabled and spec.perturbed:
+            raise ValueError(
+                f"perturbation.enabled: false with loss.name={self.loss.name}, which is ALP and needs the "
+                "perturbed forward (the unperturbed single-ratio baseline is seq_bypass)"
+            )
+        self.loss.clip_low, self.loss.clip_high = spec.clip_range(self.loss)
         if self.trainer.sft_warmup_steps and self.model.tiny is None:
             raise ValueError("trainer.sft_warmup_steps is for tiny models (model.tiny); start real models from a checkpoint")
         if self.trainer.sft_warmup_format == "tir" and not self.tir.enabled:
@@ -552,7 +682,7 @@ def _format_errors(err: ValidationError, source: str) -> str:
     lines = [f"invalid configuration in {source}:"]
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "<top level>"
-        msg = e["msg"]
+        msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key (see docs/configuration.md for the valid keys)"
         elif e["type"] == "missing":
@@ -603,43 +733,3 @@ def load_config(path: str | Path, overrides: Optional[list[str]] = None) -> Conf
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
     return config_from_dict(apply_overrides(data, overrides or []), str(path))
-
-
-def config_docs() -> str:
-    """Markdown reference of every key, generated from the classes above."""
-    out = ["# Configuration reference", "", "Generated by `megatron-alp config-docs` from "
-           "`megatron_alp/config.py`; every key of a run's YAML file is listed here.", ""]
-
-    def section(name: str, cls: type[BaseModel]):
-        out.extend([f"## `{name}`", "", (cls.__doc__ or "").strip(), "",
-                    "| key | type | default | description |", "|---|---|---|---|"])
-        nested = []
-        for key, f in cls.model_fields.items():
-            ann = f.annotation
-            if isinstance(ann, type) and issubclass(ann, BaseModel):
-                nested.append((f"{name}.{key}", ann))
-                continue
-            default = f.default_factory() if f.default_factory else f.default
-            typ = str(ann).replace("typing.", "").replace("<class '", "").replace("'>", "")
-            desc = (f.description or "").replace("|", "\\|")
-            out.append(f"| `{key}` | `{typ}` | `{default!r}` | {desc} |")
-        out.append("")
-        for sub_name, sub in nested:
-            section(sub_name, sub)
-
-    for key, f in Config.model_fields.items():
-        section(key, f.annotation)
-    return "\n".join(out) + "\n"
-
-
-def add_arguments(parser) -> None:
-    parser.add_argument("--out", help="write to this file instead of standard output")
-
-
-def run(args) -> int:
-    text = config_docs()
-    if args.out:
-        Path(args.out).write_text(text)
-    else:
-        print(text, end="")
-    return 0

@@ -20,13 +20,13 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
-from megatron_alp.config import DataConfig
+from megatron_alp.config import DataConfig, InputError
 
 ROLES = ("system", "user", "assistant", "tool")
 _MISSING = object()
 
 
-class DataError(ValueError):
+class DataError(InputError):
     """A data file or column cannot be used; the message names the file and the key."""
 
 

@@ -1,12 +1,13 @@
 """Megatron distributed checkpoints (``torch_dist``), written atomically.
 
 A checkpoint directory holds Megatron's ``dist_checkpointing`` files (layout-independent: it loads
-under any TP/PP/EP layout), ``extra.pt`` (trainer state such as the data position), an ``hf/``
-folder when converted from Hugging Face (config + tokenizer, for the export back), and
-``megatron_alp.json``: the format, the layout it was written with, the HF config and the ALP
-perturbation settings. Every file is written into ``<dir>.tmp-XXXX`` and the folder is renamed
-only when all ranks are done, so a crash mid-save never leaves a folder that looks complete;
-:func:`latest_checkpoint` only considers folders with the metadata file.
+under any TP/PP/EP layout), ``extra.pt`` (trainer state such as the data position), ``hf/`` with
+the tokenizer and generation files of the HF model it came from, and ``megatron_alp.json``: the
+format, the layout it was written with, the HF config (its only copy) and the ALP perturbation
+settings, so the export to HF needs nothing but the checkpoint. Every file is written into
+``<dir>.tmp-XXXX`` and the folder is renamed only when all ranks are done, so a crash mid-save
+never leaves a folder that looks complete; :func:`latest_checkpoint` only considers folders with
+the metadata file.
 
 ALP sigmas are saved under one key per global layer (``decoder.layers.{i}.alp_perturbation
 .log_sigma``), not in Megatron's layer-stacked form, because only the selected layers have one: a
@@ -28,8 +29,10 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core.utils import unwrap_model
 
-from megatron_alp.models.hf_weights import check_model_matches, global_name, unwrap
+from megatron_alp.models.families import load_hf_config
+from megatron_alp.models.hf_weights import check_model_matches, copy_hf_side_files, global_name, make_tmp_dir
 from megatron_alp.models.weight_mapping import is_sigma
 
 META_FILE = "megatron_alp.json"
@@ -44,7 +47,7 @@ def model_sharded_state_dict(model) -> dict:
     """``model.sharded_state_dict()`` with ALP sigmas under per-global-layer keys."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    model = unwrap(model)
+    model = unwrap_model(model)
     sd = model.sharded_state_dict()
     for key, value in list(sd.items()):
         if is_sigma(key) and isinstance(value, ShardedTensor):
@@ -85,40 +88,18 @@ def check_optimizer_groups(optimizer) -> None:
 
 
 def _prepare_optimizer_for_load(optimizer) -> None:
-    """Work around two gaps of Megatron-Core 0.16's DistributedOptimizer when neither Apex nor TE
-    is installed (torch's AdamW keeps a per-parameter ``step``, their fused Adams do not):
-
-    - building the checkpoint state dict reads ``step`` from every parameter's state, which an
-      optimizer that has not stepped yet lacks: give it zero state (the load overwrites it);
-    - loading restores ``step`` into every state and then copies each checkpointed tensor into
-      *all* state keys, ``step`` included, which no checkpoint holds: copy the others only;
-    - the restored ``step`` is one tensor shared by all parameters, which AdamW then increments
-      once per parameter: see :func:`_unshare_optimizer_steps`.
-    """
+    """Building the checkpoint state dict of Megatron-Core 0.16's DistributedOptimizer reads
+    ``step`` from every parameter's state when neither Apex nor TE is installed (torch's AdamW
+    keeps a per-parameter ``step``, their fused Adams do not); an optimizer that has not stepped
+    yet lacks it, so give it zero state (the load overwrites it). The loading side of the same gap
+    is a shim in :mod:`megatron_alp.platform`; the restored ``step`` is shared by all parameters,
+    see :func:`_unshare_optimizer_steps`."""
     from megatron.core.optimizer import distrib_optimizer
 
     if distrib_optimizer.HAVE_APEX_OR_TE:
         return
-    cls = distrib_optimizer.DistributedOptimizer
-    if not getattr(cls, "_megatron_alp_step_fix", False):
-        original = cls._set_main_param_and_optimizer_states
-
-        def set_states(self, model_param, tensors):
-            if "step" in tensors or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-                return original(self, model_param, tensors)
-            group_index, group_order = self.model_param_group_index_map[model_param]
-            state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
-            step = state.pop("step", None)
-            try:
-                return original(self, model_param, tensors)
-            finally:
-                if step is not None:
-                    state["step"] = step
-
-        cls._set_main_param_and_optimizer_states = set_states
-        cls._megatron_alp_step_fix = True
     for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if isinstance(sub, cls) and not sub.optimizer.state and sub.init_state_fn:
+        if isinstance(sub, distrib_optimizer.DistributedOptimizer) and not sub.optimizer.state and sub.init_state_fn:
             sub.init_state_fn(sub.optimizer, sub.config)
             for state in sub.optimizer.state.values():
                 state.setdefault("step", torch.tensor(0.0))
@@ -151,15 +132,6 @@ def _shared_tmp_dir(final: Path) -> Path:
     if dist.is_initialized():
         dist.broadcast_object_list(name, src=0)
     return Path(name[0])
-
-
-def make_tmp_dir(final: Path) -> str:
-    """``<final>.tmp-XXXX`` with the permissions an ordinary ``mkdir`` would give (not 0700)."""
-    tmp = tempfile.mkdtemp(prefix=final.name + ".tmp-", dir=final.parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)
-    return tmp
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
@@ -205,17 +177,23 @@ def save_checkpoint(
     opt_param_scheduler=None,
     extra: dict | None = None,
     hf_config: dict | None = None,
+    hf_dir=None,
     before_commit: Callable[[Path], None] | None = None,
 ) -> None:
     """Save ``model`` (and optionally the Megatron optimizer and LR scheduler) to ``ckpt_dir``.
 
     Collective over all ranks. ``extra`` (rank 0's copy) comes back from :func:`load_checkpoint`.
+    ``hf_dir``: the HF model directory the model was built from; its tokenizer and generation
+    files go to ``hf/`` and its ``config.json`` into the metadata (``hf_config`` given instead
+    takes precedence), so the checkpoint exports to a loadable HF directory on its own.
     ``before_commit(tmp_dir)`` runs on every rank once all files are written, before the rename
     (for adding files, or for fault-injection tests). An existing ``ckpt_dir`` is replaced.
     """
     from megatron.core import dist_checkpointing
 
-    model = unwrap(model)
+    model = unwrap_model(model)
+    if hf_config is None and hf_dir is not None:
+        hf_config = load_hf_config(hf_dir)  # on every rank: a bad hf_dir fails them all, before any collective
     final = Path(ckpt_dir).absolute()
     tmp = _shared_tmp_dir(final)
     try:
@@ -231,6 +209,8 @@ def save_checkpoint(
         dist_checkpointing.save(state, str(tmp))
         if _rank() == 0:
             torch.save(extra or {}, tmp / EXTRA_FILE)
+            if hf_dir is not None:
+                copy_hf_side_files(hf_dir, tmp / HF_SUBDIR)
             meta = {
                 "format": FORMAT,
                 "saved_at": time.time(),
@@ -283,7 +263,7 @@ def load_checkpoint(ckpt_dir, model, *, optimizer=None, opt_param_scheduler=None
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
-    model = unwrap(model)
+    model = unwrap_model(model)
     ckpt = Path(ckpt_dir)
     meta = read_metadata(ckpt)
     if meta.get("hf_config"):

@@ -12,6 +12,9 @@ AIME (``problem``/``answer``, any capitalisation), Minerva (``problem`` + a ``so
 boxed answer), OlympiadBench (``question`` + ``final_answer`` list), ``question``/``answer``, and
 the training format (``prompt`` + ``reward_model.ground_truth``). Models are Hugging Face
 directories: convert a Megatron checkpoint with ``megatron-alp convert`` first.
+
+Training validates with the same sampling and scoring (:class:`Validation`,
+``trainer.eval_interval``), through the run's own engine instead of a new one.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from megatron_alp.config import Config, ConfigError, config_from_dict, load_config
+from megatron_alp.config import Config, ConfigError, EvalConfig, config_from_dict, load_config
 from megatron_alp.data import (
     DataError,
     Prompt,
@@ -38,6 +41,7 @@ from megatron_alp.data import (
     normalize_answer,
     read_rows,
 )
+from megatron_alp.rewards.math_verify import extract_boxed
 
 # ------------------------------------------------------------------------------- estimators
 
@@ -69,21 +73,6 @@ def score_matrix(correct: np.ndarray, pass_k: list[int]) -> dict:
 
 
 # ---------------------------------------------------------------------------------- layouts
-
-
-def last_boxed(text: str) -> Optional[str]:
-    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, braces balanced."""
-    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
-    if start < 0:
-        return None
-    i = text.index("{", start) + 1
-    depth, begin = 1, i
-    while i < len(text):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth == 0:
-            return text[begin:i].strip() or None
-        i += 1
-    return None
 
 
 @dataclass(frozen=True)
@@ -126,7 +115,7 @@ def detect_layout(columns: set[str], prompt_key: str, answer_key: str) -> tuple[
             q, a, s = actual[lay.question], actual.get(lay.answer), actual.get(lay.solution)
             if a:
                 return lay.name, lambda r, q=q, a=a: (r.get(q), r.get(a))
-            return lay.name, lambda r, q=q, s=s: (r.get(q), last_boxed(str(r.get(s) or "")))
+            return lay.name, lambda r, q=q, s=s: (r.get(q), extract_boxed(str(r.get(s) or "")))
     known = "; ".join(f"{lay.benchmarks}: {', '.join(lay.columns())}" for lay in LAYOUTS)
     raise DataError(
         f"unknown benchmark layout with columns {sorted(columns)}; expected one of: {known}; "
@@ -175,38 +164,71 @@ def parse_file_arg(item: str) -> tuple[str, str]:
 # ------------------------------------------------------------------------------------- run
 
 
+def sample_trajectories(rollout, prompt_ids: list[list[int]], params, tir, tokenizer=None, executor=None,
+                        broadcast=None) -> list:
+    """``params.n`` trajectories per prompt, grouped by prompt: single-turn completions, or with
+    ``tir.enabled`` multi-turn episodes (:func:`~megatron_alp.tir.multi_turn.run_episodes`, which
+    takes ``tokenizer``, ``executor`` and ``broadcast``). The one sampling path of training
+    rollouts, validation and ``megatron-alp eval``; ``rollout`` is an engine or the trainer's
+    collective :class:`~megatron_alp.rollout.DistributedRollout`."""
+    from megatron_alp.rollout.base import Trajectory
+
+    if tir.enabled:
+        from megatron_alp.tir.multi_turn import run_episodes
+
+        return run_episodes(rollout, prompt_ids, tokenizer, params, tir, executor, broadcast=broadcast)
+    groups = rollout.generate(prompt_ids, params)
+    if len(groups) != len(prompt_ids) or any(len(g) != params.n for g in groups):
+        raise RuntimeError(f"engine returned {[len(g) for g in groups]} completions for "
+                           f"{len(prompt_ids)} prompts x n={params.n}")
+    return [Trajectory.from_completion(c) for g in groups for c in g]
+
+
+def response_budget(ev: EvalConfig, context: int, longest_prompt: int, log=print) -> int:
+    """``eval.max_response_length`` cut to what a ``context``-token engine leaves after the
+    longest prompt, with a one-line notice when it is cut."""
+    room = context - longest_prompt
+    if room <= 0:
+        raise ConfigError(f"the engine context of {context} tokens leaves no room to answer a "
+                          f"{longest_prompt}-token prompt (rollout.max_model_len, the model's max_position_embeddings)")
+    if ev.max_response_length > room:
+        log(f"eval: responses limited to {room} tokens (eval.max_response_length={ev.max_response_length}): "
+            f"the engine context is {context} tokens and the longest prompt has {longest_prompt}")
+    return min(ev.max_response_length, room)
+
+
 def generate(cfg: Config, model_dir: str, prompts: list[Prompt], seed: int):
-    """Texts (len(prompts) * k, grouped by prompt) and response lengths, from the rollout engine."""
+    """Texts (len(prompts) * k, grouped by prompt) and response lengths, from the rollout engine.
+    The engine context is prompt + ``eval.max_response_length``, at most the model's
+    ``max_position_embeddings``; an explicit ``rollout.max_model_len`` is taken as the context."""
+    from megatron_alp.models.families import load_hf_config
     from megatron_alp.rollout import build_engine
     from megatron_alp.rollout.base import SamplingParams
 
     ev = cfg.eval
-    sampling = cfg.rollout.sampling.model_copy(
-        update=dict(n=ev.k, temperature=ev.temperature, top_p=ev.top_p, top_k=-1,
-                    max_response_length=ev.max_response_length))
-    # An explicit rollout.max_model_len is the model's context: responses are cut to fit in it.
     longest = max(len(p.prompt_ids) for p in prompts)
-    max_len = cfg.rollout.max_model_len or longest + ev.max_response_length
-    if max_len <= longest:
-        raise ConfigError(f"rollout.max_model_len={max_len} leaves no room to answer a {longest}-token prompt")
-    rollout_cfg = cfg.rollout.model_copy(update=dict(sampling=sampling, max_model_len=max_len))
-    params = SamplingParams(n=ev.k, temperature=ev.temperature, top_p=ev.top_p,
-                            max_tokens=min(ev.max_response_length, max_len - longest))
+    wanted = longest + ev.max_response_length
+    positions = int(load_hf_config(model_dir).get("max_position_embeddings", wanted))
+    if cfg.rollout.max_model_len and cfg.rollout.max_model_len > positions:
+        raise ConfigError(f"rollout.max_model_len={cfg.rollout.max_model_len} exceeds the model's "
+                          f"max_position_embeddings={positions}")
+    context = cfg.rollout.max_model_len or min(wanted, positions)
+    max_tokens = response_budget(ev, context, longest)
+    sampling = cfg.rollout.sampling.model_copy(
+        update=dict(n=ev.k, temperature=ev.temperature, top_p=ev.top_p, top_k=-1, max_response_length=max_tokens))
+    rollout_cfg = cfg.rollout.model_copy(update=dict(sampling=sampling, max_model_len=context))
+    params = SamplingParams(n=ev.k, temperature=ev.temperature, top_p=ev.top_p, max_tokens=max_tokens)
     engine = build_engine(rollout_cfg, model_dir, seed)
     try:
         ids = [p.prompt_ids for p in prompts]
         if cfg.tir.enabled:
-            from megatron_alp.tir.multi_turn import run_episodes
             from megatron_alp.tir.sandbox import SandboxExecutor
 
             with SandboxExecutor(cfg.tir.sandbox) as executor:
-                trajs = run_episodes(engine, ids, load_tokenizer(model_dir), params, cfg.tir, executor)
-            return [t.response_text for t in trajs], [len(t.response_ids) for t in trajs]
-        groups = engine.generate(ids, params)
-        if len(groups) != len(prompts) or any(len(g) != ev.k for g in groups):
-            raise RuntimeError(f"engine returned {[len(g) for g in groups]} completions for "
-                               f"{len(prompts)} prompts x k={ev.k}")
-        return [c.text for g in groups for c in g], [len(c.response_ids) for g in groups for c in g]
+                trajs = sample_trajectories(engine, ids, params, cfg.tir, load_tokenizer(model_dir), executor)
+        else:
+            trajs = sample_trajectories(engine, ids, params, cfg.tir)
+        return [t.response_text for t in trajs], [len(t.response_ids) for t in trajs]
     finally:
         engine.shutdown()
 
@@ -217,7 +239,7 @@ def evaluate(cfg: Config, model_dir: str, files: list[tuple[str, str]], *, seed:
     from megatron_alp.rewards import build_reward
 
     if not files:
-        raise ConfigError("no benchmark files: set eval.files in the config or pass --files")
+        raise ConfigError("no benchmark files: set eval.files or data.val_files in the config, or pass --files")
     names = [name for name, _ in files]
     if len(set(names)) != len(names):
         raise ConfigError(f"benchmark names must differ (got {names}): name files as NAME=PATH")
@@ -271,6 +293,59 @@ def summarize(benches: list[Benchmark], texts: list[str], lengths: list[int], re
     return results, records
 
 
+def validation_metrics(results: dict) -> dict:
+    """Flat ``val/*`` metrics of :func:`summarize`'s results: ``val/reward_mean`` (average@k) and
+    ``val/pass@j`` over all files (their macro average), and ``val/<file>/...`` when there are several."""
+    k = results["k"]
+    scopes = [("val", results["average"])]
+    if len(results["benchmarks"]) > 1:
+        scopes += [(f"val/{name}", stats) for name, stats in results["benchmarks"].items()]
+    out = {}
+    for prefix, stats in scopes:
+        out[f"{prefix}/reward_mean"] = stats[f"average@{k}"]
+        out.update({f"{prefix}/pass@{j}": v for j, v in stats["pass@k"].items()})
+    return out
+
+
+class Validation:
+    """``data.val_files`` scored during training (``trainer.eval_interval``) by the run's own
+    engine, hence with the policy of the latest weight sync and never perturbed: ``eval.k`` samples
+    per problem at ``eval.temperature`` and ``eval.top_p``, at most ``eval.max_response_length``
+    tokens (cut to the engine context). Every rank calls :meth:`run` (the rollout API is collective)."""
+
+    def __init__(self, cfg: Config, tokenizer, context: int, log=print):
+        if not cfg.data.val_files:
+            raise ConfigError("trainer.eval_interval needs data.val_files (the validation prompt files)")
+        files = [(Path(f).name.split(".")[0], f) for f in cfg.data.val_files]
+        if len({name for name, _ in files}) < len(files):  # e.g. a/val.jsonl and b/val.jsonl
+            files = [(f, f) for _, f in files]
+        self.cfg = cfg
+        self.benches = [load_benchmark(name, path, tokenizer, cfg) for name, path in files]
+        for b in self.benches:
+            if b.skipped:
+                log(f"validation: {b.path}: skipped rows {b.skipped}")
+        self.prompts = [p for b in self.benches for p in b.prompts]
+        self.max_tokens = response_budget(cfg.eval, context, max(len(p.prompt_ids) for p in self.prompts), log)
+
+    def run(self, rollout, *, seed: Optional[int], reward_fn, tokenizer, executor=None, broadcast=None) -> dict:
+        """``val/*`` metrics (:func:`validation_metrics`) on the rank holding ``reward_fn``, {} on
+        the others. ``seed`` seeds the samples (:class:`~megatron_alp.rollout.base.SamplingParams`):
+        the same seed at every evaluation makes successive scores differ by the policy, not the draw."""
+        from megatron_alp.rollout.base import SamplingParams
+
+        ev = self.cfg.eval
+        params = SamplingParams(n=ev.k, temperature=ev.temperature, top_p=ev.top_p, max_tokens=self.max_tokens,
+                                seed=seed)
+        trajs = sample_trajectories(rollout, [p.prompt_ids for p in self.prompts], params, self.cfg.tir,
+                                    tokenizer, executor, broadcast)
+        if reward_fn is None:
+            return {}
+        texts = [t.response_text for t in trajs]
+        rewards = reward_fn(texts, [p.ground_truth for p in self.prompts for _ in range(ev.k)])
+        results, _ = summarize(self.benches, texts, [len(t.response_ids) for t in trajs], rewards, ev)
+        return validation_metrics(results)
+
+
 def format_table(results: dict, show_k: Optional[list[int]] = None) -> str:
     k = results["k"]
     avg_key = f"average@{k}"
@@ -312,7 +387,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("config", nargs="?",
                         help="run config (YAML); its rollout, reward, data and eval sections are used")
     parser.add_argument("--model", help="Hugging Face model directory (default: model.hf_path of the config)")
-    parser.add_argument("--files", nargs="+", help="benchmark files, PATH or NAME=PATH (default: eval.files)")
+    parser.add_argument("--files", nargs="+",
+                        help="benchmark files, PATH or NAME=PATH (default: eval.files, else data.val_files)")
     parser.add_argument("--k", type=int, help="samples per problem (default: eval.k)")
     parser.add_argument("--limit", type=int, help="only the first N problems of each file (smoke runs)")
     parser.add_argument("--seed", type=int, help="engine seed (default: trainer.seed)")
@@ -345,7 +421,7 @@ def run(args) -> int:
     else:
         raise SystemExit("megatron-alp eval: pass a CONFIG file and/or --model DIR")
     model_dir = resolve_model(cfg, args.model)
-    files = [parse_file_arg(f) for f in (file_args or cfg.eval.files)]
+    files = [parse_file_arg(f) for f in (file_args or cfg.eval.files or cfg.data.val_files)]
     seed = cfg.trainer.seed if args.seed is None else args.seed
     out = Path(args.out) if args.out else Path(cfg.trainer.output_dir) / "eval.json"
     results = evaluate(cfg, model_dir, files, seed=seed, limit=args.limit,

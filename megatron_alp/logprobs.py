@@ -33,25 +33,42 @@ def _group_size(group) -> int:
     return dist.get_world_size(group)
 
 
-def _temperature(value: float, device) -> Optional[torch.Tensor]:
-    return None if value == 1.0 else torch.full((1, 1), value, dtype=torch.float32, device=device)
+def _work_dtype(logits: torch.Tensor) -> torch.dtype:
+    """fp32 for fp32/bf16/fp16 logits (as vLLM computes), fp64 for fp64 logits."""
+    return torch.promote_types(logits.dtype, torch.float32)
+
+
+def _temperature(value: float, logits: torch.Tensor) -> Optional[torch.Tensor]:
+    return None if value == 1.0 else torch.full((1, 1), value, dtype=_work_dtype(logits), device=logits.device)
 
 
 def _shifted(chunk: torch.Tensor, temperature: Optional[torch.Tensor], shift: torch.Tensor) -> torch.Tensor:
-    """``fp32(chunk) / temperature - shift`` as a fresh fp32 tensor: one pass over the chunk when
-    T = 1. The temperature is a tensor, so the division is the one vLLM performs."""
+    """``fp32(chunk) / temperature - shift`` as a fresh tensor (fp64 for fp64 logits): one pass over
+    the chunk when T = 1. The temperature is a tensor, so the division is the one vLLM performs."""
     if temperature is None:
         return torch.sub(chunk, shift.unsqueeze(-1))  # type promotion upcasts bf16/fp16
     return torch.div(chunk, temperature).sub_(shift.unsqueeze(-1))
+
+
+# Below this a shifted logit's probability is exactly 0 in fp32 and fp64 (exp underflows).
+_NEG_FLOOR = -1e4
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """``x`` raised to :data:`_NEG_FLOOR` in place: a masked logit (-inf) then has probability 0
+    and a finite log, so its ``p * log p`` terms are 0 instead of ``0 * -inf = nan``; no value
+    whose probability is non-zero changes."""
+    return x.clamp_(min=_NEG_FLOOR)
 
 
 class _VocabParallelTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, temperature_value, group, vocab_start, chunk, with_entropy):
         n, v_local = logits.shape
-        temperature = _temperature(temperature_value, logits.device)
+        temperature = _temperature(temperature_value, logits)
         tp = _group_size(group)
-        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        work = _work_dtype(logits)
+        lse = torch.empty(n, dtype=work, device=logits.device)
         logprobs = torch.empty_like(lse)
         entropy = torch.empty_like(lse) if with_entropy else None
         local = targets - vocab_start
@@ -59,18 +76,18 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
         local = torch.where(here, local, torch.zeros_like(local))
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
-            m = logits[s:e].amax(dim=-1, keepdim=True).float()
+            m = logits[s:e].amax(dim=-1, keepdim=True).to(work)
             m = (m if temperature is None else m / temperature).squeeze(-1)
             if tp > 1:
                 dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
             x = _shifted(logits[s:e], temperature, m)
-            stats = torch.zeros(3 if with_entropy else 2, e - s, dtype=torch.float32, device=x.device)
+            stats = torch.zeros(3 if with_entropy else 2, e - s, dtype=work, device=x.device)
             picked = x.gather(-1, local[s:e].unsqueeze(-1)).squeeze(-1)
             stats[1] = torch.where(here[s:e], picked, torch.zeros_like(picked))
             if with_entropy:
                 p = torch.exp(x)
                 stats[0] = p.sum(dim=-1)
-                stats[2] = p.mul_(x).sum(dim=-1)  # sum_j exp(x_j) x_j, in place: two chunk-sized tensors
+                stats[2] = p.mul_(_finite(x)).sum(dim=-1)  # sum_j exp(x_j) x_j, in place: two chunk-sized tensors
                 del p
             else:
                 stats[0] = x.exp_().sum(dim=-1)
@@ -94,9 +111,9 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
         # With upstream gradients (u, w): dL/dlogits_j = (u 1[j = t] - p_j (u + w H + w log p_j)) / T.
         logits, local, here, lse, entropy = ctx.saved_tensors
         chunk, with_entropy, inv_t = ctx.chunk, ctx.with_entropy, 1.0 / ctx.temperature
-        temperature = _temperature(ctx.temperature, logits.device)
-        u = torch.zeros_like(lse) if grad_logprobs is None else grad_logprobs.float()
-        w = grad_second.float() if with_entropy and grad_second is not None else None
+        temperature = _temperature(ctx.temperature, logits)
+        u = torch.zeros_like(lse) if grad_logprobs is None else grad_logprobs.to(lse.dtype)
+        w = grad_second.to(lse.dtype) if with_entropy and grad_second is not None else None
         grad = torch.empty_like(logits)
         for s in range(0, logits.shape[0], chunk):
             e = min(s + chunk, logits.shape[0])
@@ -105,11 +122,11 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
             if w is not None:
                 w_c = w[s:e].unsqueeze(-1)
                 p = torch.exp(logp)
-                g = logp.mul_(-w_c * inv_t).sub_((u_c + w_c * entropy[s:e].unsqueeze(-1)) * inv_t).mul_(p)
+                g = _finite(logp).mul_(-w_c * inv_t).sub_((u_c + w_c * entropy[s:e].unsqueeze(-1)) * inv_t).mul_(p)
                 del p
             else:
                 g = logp.exp_().mul_(-u_c * inv_t)
-            g.scatter_add_(-1, local[s:e].unsqueeze(-1), torch.where(here[s:e].unsqueeze(-1), u_c * inv_t, 0.0))
+            g.scatter_add_(-1, local[s:e].unsqueeze(-1), torch.where(here[s:e].unsqueeze(-1), u_c * inv_t, 0.0).to(g.dtype))
             grad[s:e].copy_(g)
             del g, logp
         return grad, None, None, None, None, None, None
@@ -128,7 +145,7 @@ def token_logprobs(
 
     ``logits`` is this rank's vocabulary shard ``[b, s, V/tp]`` exactly as Megatron's GPTModel
     returns it (``parallel_output=True``), in any float dtype; ``targets`` ``[b, s]`` are global
-    token ids. Returns fp32 ``[b, s]`` logprobs and entropy (None unless ``with_entropy``),
+    token ids. Returns fp32 (fp64 for fp64 logits) ``[b, s]`` logprobs and entropy (None unless ``with_entropy``),
     identical on all ranks of ``tp_group`` and differentiable w.r.t. ``logits``.
     ``chunk_tokens`` bounds the working set (default: see ``CHUNK_ELEMENTS``).
     """

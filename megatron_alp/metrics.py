@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_alp.comm import comm_device
 from megatron_alp.policy_loss import LossInputs
 
 QUANTILES = {"p2": 0.02, "p5": 0.05, "p50": 0.5, "p95": 0.95, "p98": 0.98, "min": 0.0, "max": 1.0}
@@ -82,21 +83,16 @@ class StepMetrics:
         packed = torch.stack([values[k].reshape(()).to(log_r.device) for k in _SUMS])
         self._sums = packed if self._sums is None else self._sums + packed
 
-    def _device(self, group) -> torch.device:
-        if self._sums is not None:
-            return self._sums.device
-        if dist.is_initialized() and dist.get_backend(group) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
     def reduce(self, dp_group=None) -> dict[str, float]:
         """Metrics of the step over all data-parallel ranks (a collective on ``dp_group``: every
         rank of the group must call it; None: this rank's micro-batches only). Undefined values
         (no loss tokens) are NaN."""
-        device = self._device(dp_group)
+        device = comm_device(dp_group)
         distributed = dp_group is not None and dist.is_initialized() and dist.get_world_size(dp_group) > 1
-        sums = self._sums if self._sums is not None else torch.zeros(len(_SUMS), dtype=torch.float64, device=device)
-        sums = sums.clone()
+        if self._sums is None:
+            sums = torch.zeros(len(_SUMS), dtype=torch.float64, device=device)
+        else:
+            sums = self._sums.to(device, copy=True)
         if distributed:
             dist.all_reduce(sums, group=dp_group)
         s = dict(zip(_SUMS, sums.tolist()))

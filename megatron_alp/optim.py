@@ -101,9 +101,3 @@ def learning_rates(optimizer) -> dict[str, float]:
         out["lr/sigma" if is_sigma else "lr"] = group["lr"]
     return out
 
-
-def unwrap(model) -> torch.nn.Module:
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from datetime import timedelta
 
 import torch
@@ -55,8 +56,7 @@ def destroy_distributed() -> None:
 
 
 def free_port() -> int:
-    import socket
-
+    """A TCP port free on the loopback now (for a rendezvous this process starts)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -40,6 +40,7 @@ from typing import Iterator, Optional
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import random as mcore_random
+from megatron.core.utils import unwrap_model
 
 from megatron_alp.config import PerturbationConfig, parse_layer_selection
 from megatron_alp.seeding import derive_seed
@@ -167,15 +168,9 @@ def attach_perturbation(model: torch.nn.Module, cfg: PerturbationConfig) -> Pert
     return controller
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    while not hasattr(model, "alp_controller") and hasattr(model, "module"):
-        model = model.module
-    return model
-
-
 def controller_of(model: torch.nn.Module) -> Optional[PerturbationController]:
     """The controller of a model, looking through DDP / Float16Module wrappers; None if none."""
-    return getattr(_unwrap(model), "alp_controller", None)
+    return getattr(unwrap_model(model), "alp_controller", None)
 
 
 @contextlib.contextmanager
@@ -206,9 +201,9 @@ def sigma_parameters(models) -> list[torch.nn.Parameter]:
 
 def sigma_stats(models) -> dict[str, float]:
     """Per-site sigma mean/min/max of this rank's sites, keyed ``sigma/layer_03/mean`` (or
-    ``sigma/logits/...``), plus overall mean. Gather across pipeline stages for the full picture."""
+    ``sigma/logits/...``). :func:`gather_sigma_stats` merges the pipeline stages and adds the
+    mean over all sites (``sigma/mean``)."""
     out: dict[str, float] = {}
-    means = []
     for m in _as_list(models):
         c = controller_of(m)
         if c is None:
@@ -219,7 +214,6 @@ def sigma_stats(models) -> dict[str, float]:
             out[f"sigma/{name}/mean"] = s.mean().item()
             out[f"sigma/{name}/min"] = s.min().item()
             out[f"sigma/{name}/max"] = s.max().item()
-            means.append(s.mean().item())
     return out
 
 

@@ -7,18 +7,27 @@ each of those fails. :func:`apply_cpu_shims` patches exactly these points so the
 Megatron-Core layers, parallel state and schedules run over the gloo backend; on a machine
 with a GPU it does nothing. Keep every shim here, documented, so nothing else in the
 project needs to know whether a GPU is present.
+
+With ``MEGATRON_ALP_CHECK_COLLECTIVE_DEVICES=1`` the shims also track which tensors a GPU job
+would hold on its GPU (``_GpuTrackingMode``), so that :mod:`megatron_alp.comm` can check every
+collective's devices on a CPU job.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
+import weakref
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 _APPLIED = False
+# Set when the collective-device checker runs (see check_requested and megatron_alp.comm).
+_TRACKING = False
+CHECK_ENV = "MEGATRON_ALP_CHECK_COLLECTIVE_DEVICES"
 
 
 def has_gpu() -> bool:
@@ -27,10 +36,17 @@ def has_gpu() -> bool:
 
 
 def device() -> torch.device:
-    """The device new model tensors live on: the local GPU, or the CPU."""
-    if has_gpu():
+    """The device new model tensors live on: the local GPU, or the CPU. Under the collective
+    checker it is ``cuda:0``, which the shims place on the CPU while tracking it as a GPU tensor."""
+    if has_gpu() or _TRACKING:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def check_requested() -> bool:
+    """Whether this process runs the collective-device checker of :mod:`megatron_alp.comm`:
+    ``MEGATRON_ALP_CHECK_COLLECTIVE_DEVICES=1`` on a CPU job (a GPU job checks itself)."""
+    return os.environ.get(CHECK_ENV) == "1" and not has_gpu()
 
 
 def dist_backend() -> str:
@@ -68,6 +84,148 @@ class _CudaToCpuMode(TorchFunctionMode):
         if dev is not None and (_is_cuda(dev) or isinstance(dev, int)):
             kwargs["device"] = torch.device("cpu")
         return func(*args, **kwargs)
+
+
+class _TensorSet:
+    """Tensors by identity, without keeping them alive (a ``WeakSet`` compares tensors with
+    ``==``, which is elementwise)."""
+
+    def __init__(self):
+        self._refs: dict[int, weakref.ref] = {}
+
+    def __contains__(self, t) -> bool:
+        ref = self._refs.get(id(t))
+        return ref is not None and ref() is t
+
+    def add(self, t: torch.Tensor) -> bool:
+        """Add ``t``; False if it was there already."""
+        if t in self:
+            return False
+        self._refs[id(t)] = weakref.ref(t, functools.partial(self._drop, id(t)))
+        return True
+
+    def _drop(self, key: int, ref: weakref.ref) -> None:
+        if self._refs.get(key) is ref:
+            del self._refs[key]
+
+
+# Under the collective checker: the tensors a GPU job would hold on its GPU, and those of them
+# whose gradients are tracked too.
+_ON_GPU = _TensorSet()
+_GRAD_HOOKED = _TensorSet()
+_GPU = torch.device("cuda", 0)
+_DEVICE_GETTER = torch.Tensor.device.__get__
+
+
+def on_accelerator(t: torch.Tensor) -> bool:
+    """Whether a GPU job holds ``t`` on its GPU: ``t.is_cuda`` there; under the collective
+    checker, whether the CPU shims tracked it as a GPU tensor (see ``_GpuTrackingMode``)."""
+    return t.is_cuda or t in _ON_GPU
+
+
+def place_on_device(module: torch.nn.Module) -> torch.nn.Module:
+    """Move a freshly built model to this rank's GPU. A CPU job keeps it in place; under the
+    collective checker its parameters and buffers are tracked as the GPU tensors they are on a
+    GPU job."""
+    if has_gpu():
+        module.cuda(torch.cuda.current_device())
+    elif _TRACKING:
+        for t in (*module.parameters(), *module.buffers()):
+            _ON_GPU.add(t)
+    return module
+
+
+def _gpu_like(dev) -> bool:
+    """A device argument that means a GPU: a CUDA device or string, or a bare ordinal."""
+    return _is_cuda(dev) or (isinstance(dev, int) and not isinstance(dev, bool))
+
+
+def _tensors(values):
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            yield from (x for x in v if isinstance(x, torch.Tensor))
+
+
+def _track_grad(grad: torch.Tensor) -> None:
+    _ON_GPU.add(grad)
+
+
+def _tracking_parameter_new(new):
+    """``Parameter(data)`` makes a new tensor object outside torch functions; it lives where its
+    data does."""
+
+    def __new__(cls, data=None, requires_grad=True):
+        param = new(cls, data, requires_grad)
+        if data is not None and data in _ON_GPU:
+            _ON_GPU.add(param)
+        return param
+
+    return staticmethod(__new__)
+
+
+def _move(func, args, kwargs):
+    """``.cuda()``, ``.cpu()`` and ``.to(...)`` while tracking: the result is a GPU tensor when the
+    target is the GPU (with no device given: when the source is), and a move between "devices"
+    returns a copy, as it does on a GPU, so tracking the result never re-labels the source."""
+    src = args[0]
+    tracked = src in _ON_GPU
+    if func is torch.Tensor.cuda:
+        to_gpu, out = True, src
+    else:
+        target = None if func is torch.Tensor.cpu else kwargs.get("device", args[1] if len(args) > 1 else None)
+        if func is torch.Tensor.cpu:
+            to_gpu = False
+        elif isinstance(target, torch.Tensor):
+            to_gpu = target in _ON_GPU
+        elif target is None or isinstance(target, (bool, torch.dtype)):
+            to_gpu = tracked
+        else:
+            to_gpu = _gpu_like(target)
+        cpu = torch.device("cpu")
+        args = tuple(cpu if i == 1 and _gpu_like(a) else a for i, a in enumerate(args))
+        if _gpu_like(kwargs.get("device")):
+            kwargs = {**kwargs, "device": cpu}
+        out = func(*args, **kwargs)
+    if out is src and to_gpu != tracked:
+        out = src.clone()
+    if to_gpu:
+        _ON_GPU.add(out)
+    return out
+
+
+class _GpuTrackingMode(_CudaToCpuMode):
+    """Shim 2 under the collective checker: also track which tensors a GPU job holds on the GPU.
+
+    Tracked: tensors created on a CUDA device (a CUDA ``device=``, an ordinal such as
+    ``torch.cuda.current_device()``), moved there (``.cuda()``, ``.to("cuda")``), models placed by
+    :func:`place_on_device`, the outputs of any torch function with a tracked input (in-place
+    results keep their own device), and the gradients of tracked tensors (autograd makes those
+    outside torch functions, so a hook tracks them). A tracked tensor reports ``device`` cuda:0, as
+    on a GPU, so ``device=x.device`` allocations follow it. Costs several Python calls per torch
+    function: the normal CPU path uses the plain shim.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func == _DEVICE_GETTER:
+            return _GPU if args[0] in _ON_GPU else func(*args)
+        if func is torch.Tensor.cuda or func is torch.Tensor.cpu or func is torch.Tensor.to:
+            return _move(func, args, kwargs)
+        dev = kwargs.get("device")
+        inputs = [*_tensors(args), *_tensors(kwargs.values())]
+        out = super().__torch_function__(func, types, args, kwargs)
+        results = (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (list, tuple)) else ()
+        outputs = [t for t in _tensors(results) if not any(t is i for i in inputs)]
+        if _gpu_like(dev) if dev is not None else any(t in _ON_GPU for t in inputs):
+            for t in outputs:
+                _ON_GPU.add(t)
+        if torch.is_grad_enabled():
+            for t in (*inputs, *outputs):
+                if t.requires_grad and t in _ON_GPU and _GRAD_HOOKED.add(t):
+                    t.register_hook(_track_grad)
+        return out
 
 
 class _RngShim:
@@ -131,19 +289,51 @@ def _fix_missing_te_names() -> None:
         moe_utils.te_general_gemm = None
 
 
+def _fix_adam_step_restore() -> None:
+    """Without Apex and TE, Megatron-Core 0.16's DistributedOptimizer uses torch's AdamW, whose
+    per-parameter state has a ``step``; loading a checkpoint copies each checkpointed tensor into
+    *all* state keys, ``step`` included, which no checkpoint holds. Copy the others only."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    cls = distrib_optimizer.DistributedOptimizer
+    if distrib_optimizer.HAVE_APEX_OR_TE or getattr(cls, "_megatron_alp_step_fix", False):
+        return
+    original = cls._set_main_param_and_optimizer_states
+
+    def set_states(self, model_param, tensors):
+        if "step" in tensors or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return original(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+        step = state.pop("step", None)
+        try:
+            return original(self, model_param, tensors)
+        finally:
+            if step is not None:
+                state["step"] = step
+
+    cls._set_main_param_and_optimizer_states = set_states
+    cls._megatron_alp_step_fix = True
+
+
 def apply_cpu_shims() -> bool:
     """Apply the CPU shims once per process when no GPU is present; returns whether applied.
-    The Transformer-Engine-absent fix applies on every machine."""
-    global _APPLIED
+    The fixes for an absent Transformer Engine / Apex apply on every machine."""
+    global _APPLIED, _TRACKING
     _fix_missing_te_names()
+    _fix_adam_step_restore()
     if _APPLIED or has_gpu():
         return _APPLIED
     from megatron.core.tensor_parallel import random as mcore_random
 
-    # Shim 1: new tensors placed on "the current CUDA device" go to the CPU.
-    torch.cuda.current_device = lambda: "cpu"
-    # Shim 2: literal CUDA devices become the CPU (see _CudaToCpuMode).
-    _CudaToCpuMode().__enter__()
+    _TRACKING = check_requested()
+    # Shim 1: new tensors placed on "the current CUDA device" go to the CPU (under the collective
+    # checker: device 0, which shim 2 places on the CPU and tracks as a GPU tensor).
+    torch.cuda.current_device = (lambda: 0) if _TRACKING else (lambda: "cpu")
+    # Shim 2: literal CUDA devices become the CPU (see _CudaToCpuMode and _GpuTrackingMode).
+    (_GpuTrackingMode() if _TRACKING else _CudaToCpuMode()).__enter__()
+    if _TRACKING:
+        torch.nn.Parameter.__new__ = _tracking_parameter_new(torch.nn.Parameter.__new__)
     # Shim 3: there is nothing to synchronise; p2p communication and timers call these.
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.empty_cache = lambda *a, **k: None
@@ -173,5 +363,9 @@ def apply_cpu_shims() -> bool:
     # purpose, so the warning carries no information here.
     logging.getLogger(mcore_random.__name__).setLevel(logging.ERROR)
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    if _TRACKING:
+        from megatron_alp.comm import install_checker  # comm builds on this module
+
+        install_checker()
     _APPLIED = True
     return True

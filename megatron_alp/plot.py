@@ -1,10 +1,11 @@
 """`megatron-alp plot RUN_DIR [RUN_DIR ...]`: the paper's diagnostic figures from a run's
 ``metrics.jsonl`` and ``token_probs/`` dumps.
 
-Figures (PNG, in ``RUN_DIR/plots`` or ``--out``): reward, the importance-ratio envelope
-(P2-P98 and P5-P95 bands around the median, over optimizer steps), train-rollout mismatch
-(KL k1/k3, chi-square), entropy, gradient norm, sigma per perturbed layer over time, the
-train-vs-rollout token-probability scatter with Pearson r, and ``overview.png`` with all curves.
+Figures (PNG, in ``RUN_DIR/plots`` or ``--out``): reward (of the training rollouts, and on the
+validation set when ``trainer.eval_interval`` logged it), the importance-ratio envelope (P2-P98
+and P5-P95 bands around the median, over optimizer steps), train-rollout mismatch (KL k1/k3,
+chi-square), entropy, gradient norm, sigma per perturbed layer over time, the train-vs-rollout
+token-probability scatter with Pearson r, and ``overview.png`` with all curves.
 Several run directories are overlaid (e.g. ALP against Seq-Bypass), one colour per run. Metrics
 a run did not log are skipped with a note.
 """
@@ -25,7 +26,8 @@ _SIGMA_SITE = re.compile(r"^sigma/(layer_(\d+)|logits)/mean$")
 
 # name -> (title, y label, [(metric key, line label)], log scale)
 CURVES = {
-    "reward": ("Reward", "mean reward", [("reward/mean", "reward")], False),
+    "reward": ("Reward", "mean reward", [("reward/mean", "train (rollouts)"),
+                                         ("val/reward_mean", "validation (average@k)")], False),
     "mismatch_kl": ("Train-rollout mismatch", "divergence",
                     [("mismatch/kl_k1", "KL (k1)"), ("mismatch/kl_k3", "KL (k3)"), ("mismatch/chi2", "chi-square")],
                     True),
@@ -144,7 +146,9 @@ def draw_curve(ax, runs: list[Run], name: str) -> bool:
             if s is None:
                 continue
             parts = [run.name] * (len(runs) > 1) + [label] * (len(keys) > 1)
-            ax.plot(*s, style, color=color, label=" / ".join(parts) or None, lw=1.5)
+            sparse = len(s[0]) < len(run.records)  # e.g. validation every few iterations: mark its points
+            ax.plot(*s, style, color=color, label=" / ".join(parts) or None, lw=1.5, marker="o" if sparse else None,
+                    ms=4)
             all_positive &= bool(np.all(s[1] > 0))
             drawn = True
     if drawn:

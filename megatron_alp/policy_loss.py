@@ -2,28 +2,21 @@
 
 Every loss is the PPO/GRPO clipped surrogate ``max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``
 (dual-clipped at ``-A c`` for negative advantages) on ONE importance ratio ``r``; the losses differ
-only in which ratio they use, at which level, and in an optional detached per-token weight:
+only in which ratio they use, at which level, and in an optional detached per-token weight.
 
-============  =======================================  =====  =====================================
-name          ratio                                    level  weight
-============  =======================================  =====  =====================================
-alp_token     pi_theta,sigma / pi_rollout              token
-alp_seq       pi_theta,sigma / pi_rollout              seq
-seq_bypass    pi_theta / pi_rollout                    seq    (alp_seq's formula; the trainer
-                                                              leaves the forward unperturbed)
-grpo          pi_theta / pi_old                        token
-gspo          pi_theta / pi_old, geometric mean        seq
-token_mis     pi_theta / pi_old                        token  0 for sequences whose
-                                                              pi_old / pi_rollout (seq) > C
-seq_mis       pi_theta / pi_old                        seq    same sequence mask
-token_tis     pi_theta / pi_old                        token  min(pi_old / pi_rollout, C) per token
-============  =======================================  =====  =====================================
+Each loss is one function registered with :func:`register_policy_loss`, which declares
+everything about it: the ratio and correction it implements (for the docs table), its level,
+whether the policy-update forward is perturbed (ALP), whether it reads the old training policy,
+and its default clip range (the paper: 0.2/0.28 for token ratios, 0.5/3.0 for sequence ratios).
+Config validation, the trainer, the docs table (``megatron-alp config-docs``) and the
+benchmarks read :data:`POLICY_LOSSES`; nothing else lists the names.
 
 A sequence-level ratio is ``exp(sum_t log r_t)`` (``seq_ratio: product``) or its geometric mean
 ``exp(mean_t log r_t)``; it enters the clipped term on every token of its sequence, which is then
-aggregated like a token loss. ``clip_low``/``clip_high`` bound whichever ratio the loss uses (the
-paper uses 0.2/0.28 for token ratios and 0.5/3.0 for sequence ratios). The MIS mask always uses
-the product ``prod_t pi_old / pi_rollout`` (paper's rho'_i). Masked tokens stay in the
+aggregated like a token loss. Masked importance sampling (Token-/Seq-MIS) multiplies the
+objective of sequence ``i`` by the correcting ratio ``rho'_i = prod_t pi_old / pi_rollout`` and
+masks it where ``rho'_i > C`` (paper section 2 and its appendix table: the correction is at
+sequence level for both); ``mis_two_sided`` also masks ``rho'_i < 1/C``. Masked tokens stay in the
 normaliser, as in the paper's ``1/n sum_i sum_t Mask * ...``. Log-ratios are clamped to
 ``+-log_ratio_clamp`` before ``exp`` so that no ratio overflows.
 
@@ -35,11 +28,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Literal, Optional
 
 import torch
 
-from megatron_alp.config import LossConfig
+if TYPE_CHECKING:
+    from megatron_alp.config import LossConfig
 
 Tensor = torch.Tensor
 
@@ -70,21 +64,55 @@ class Ratio:
 
 @dataclass(frozen=True)
 class PolicyLoss:
-    ratio: Callable[[LossConfig, LossInputs, Tensor], Ratio]
-    needs_old: bool
+    """A registered objective and what it declares about itself."""
+
+    name: str
+    ratio_fn: Callable[["LossConfig", LossInputs, Tensor], Ratio]
+    paper: str  # the name in the paper's tables
+    level: Literal["token", "seq"]  # level of the clipped ratio
+    perturbed: bool  # the policy-update forward is perturbed (ALP)
+    needs_old: bool  # reads LossInputs.old_logprobs (the trainer runs the old-policy pass)
+    clip: tuple[float, float]  # default (clip_low, clip_high)
+    ratio: str  # the clipped ratio, for the docs table
+    correction: str = "—"  # the detached correction, for the docs table
+
+    def clip_range(self, cfg: "LossConfig") -> tuple[float, float]:
+        """``(clip_low, clip_high)``: the config's values, or this loss's defaults where unset."""
+        low = self.clip[0] if cfg.clip_low is None else cfg.clip_low
+        high = self.clip[1] if cfg.clip_high is None else cfg.clip_high
+        return low, high
 
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
 
+TOKEN_CLIP = (0.2, 0.28)
+SEQ_CLIP = (0.5, 3.0)
 
-def register_policy_loss(name: str, *, needs_old: bool = False):
-    """Register ``fn(cfg, inputs, mask) -> Ratio`` as policy loss ``name``; ``needs_old`` says
-    whether it reads ``inputs.old_logprobs`` (the trainer then runs the old-policy pass)."""
+
+def register_policy_loss(
+    name: str,
+    *,
+    paper: str,
+    level: Literal["token", "seq"],
+    ratio: str,
+    perturbed: bool = False,
+    needs_old: bool = False,
+    clip: Optional[tuple[float, float]] = None,
+    correction: str = "—",
+):
+    """Register ``fn(cfg, inputs, mask) -> Ratio`` as policy loss ``name`` with its properties
+    (``clip`` defaults to the paper's range for ``level``). Registering is all it takes for a new
+    loss to be selectable as ``loss.name``."""
+    if level not in ("token", "seq"):
+        raise ValueError(f"policy loss {name!r}: level must be 'token' or 'seq' (got {level!r})")
 
     def register(fn):
         if name in POLICY_LOSSES:
             raise ValueError(f"policy loss {name!r} is already registered")
-        POLICY_LOSSES[name] = PolicyLoss(fn, needs_old)
+        POLICY_LOSSES[name] = PolicyLoss(
+            name=name, ratio_fn=fn, paper=paper, level=level, perturbed=perturbed, needs_old=needs_old,
+            clip=clip or (TOKEN_CLIP if level == "token" else SEQ_CLIP), ratio=ratio, correction=correction,
+        )
         return fn
 
     return register
@@ -92,7 +120,7 @@ def register_policy_loss(name: str, *, needs_old: bool = False):
 
 def get_policy_loss(name: str) -> PolicyLoss:
     if name not in POLICY_LOSSES:
-        raise ValueError(f"loss.name: unknown policy loss {name!r}; expected one of {sorted(POLICY_LOSSES)}")
+        raise ValueError(f"unknown policy loss {name!r}; expected one of {sorted(POLICY_LOSSES)}")
     return POLICY_LOSSES[name]
 
 
@@ -100,8 +128,18 @@ def needs_old_logprobs(name: str) -> bool:
     return get_policy_loss(name).needs_old
 
 
-def needs_ref_logprobs(cfg: LossConfig) -> bool:
+def needs_ref_logprobs(cfg: "LossConfig") -> bool:
     return cfg.kl_coef > 0
+
+
+def losses_table() -> str:
+    """Markdown table of the registered losses (the docs' table is generated from it)."""
+    rows = ["| `loss.name` | paper | clipped ratio | level | correction | perturbed | default clip |",
+            "|---|---|---|---|---|---|---|"]
+    for p in POLICY_LOSSES.values():
+        rows.append(f"| `{p.name}` | {p.paper} | `{p.ratio}` | {p.level} | {p.correction} | "
+                    f"{'yes' if p.perturbed else 'no'} | {p.clip[0]} / {p.clip[1]} |")
+    return "\n".join(rows)
 
 
 # ------------------------------------------------------------------------------------- ratios
@@ -127,52 +165,71 @@ def seq_log_ratio(token_lr: Tensor, mask: Tensor, how: str) -> Tensor:
     raise ValueError(f"loss.seq_ratio: expected 'product' or 'geometric_mean', got {how!r}")
 
 
-def _mis_mask(cfg: LossConfig, inputs: LossInputs, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """Sequences whose old-train / rollout ratio (product over tokens) exceeds C are dropped."""
-    old_vs_rollout = seq_log_ratio(token_log_ratio(inputs.old_logprobs, inputs.rollout_logprobs, mask), mask, "product")
-    drop = (old_vs_rollout > math.log(cfg.mis_threshold)).unsqueeze(-1) & mask
-    return (~drop).float(), drop
+def _mis_weight(cfg: "LossConfig", inputs: LossInputs, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-token weight ``rho'_i * 1{rho'_i <= C}`` (and ``>= 1/C`` when two-sided) with
+    ``rho'_i = prod_t pi_old / pi_rollout``, and the bool map of the tokens it masks."""
+    log_rho = seq_log_ratio(token_log_ratio(inputs.old_logprobs, inputs.rollout_logprobs, mask), mask, "product")
+    log_c = math.log(cfg.mis_threshold)
+    keep = log_rho <= log_c
+    if cfg.mis_two_sided:
+        keep &= log_rho >= -log_c
+    weight = torch.where(keep, log_rho.clamp(max=log_c).exp(), 0.0).detach()
+    return weight.unsqueeze(-1).expand_as(mask), ~keep.unsqueeze(-1) & mask
 
 
-@register_policy_loss("alp_token")
+def _seq_vs_rollout(cfg, inputs, mask):
+    return seq_log_ratio(token_log_ratio(inputs.logprobs, inputs.rollout_logprobs, mask), mask, cfg.seq_ratio)
+
+
+@register_policy_loss("alp_token", paper="Token-ALP", level="token", perturbed=True,
+                      ratio="pi_theta,sigma / pi_rollout")
 def _alp_token(cfg, inputs, mask):
     return Ratio(token_log_ratio(inputs.logprobs, inputs.rollout_logprobs, mask))
 
 
-@register_policy_loss("alp_seq")
-@register_policy_loss("seq_bypass")
+@register_policy_loss("alp_seq", paper="Seq-ALP", level="seq", perturbed=True,
+                      ratio="pi_theta,sigma / pi_rollout (seq_ratio)")
 def _alp_seq(cfg, inputs, mask):
-    return Ratio(seq_log_ratio(token_log_ratio(inputs.logprobs, inputs.rollout_logprobs, mask), mask, cfg.seq_ratio))
+    return Ratio(_seq_vs_rollout(cfg, inputs, mask))
 
 
-@register_policy_loss("grpo", needs_old=True)
+@register_policy_loss("grpo", paper="GRPO", level="token", needs_old=True, ratio="pi_theta / pi_old")
 def _grpo(cfg, inputs, mask):
     return Ratio(token_log_ratio(inputs.logprobs, inputs.old_logprobs, mask))
 
 
-@register_policy_loss("gspo", needs_old=True)
+@register_policy_loss("gspo", paper="GSPO", level="seq", needs_old=True,
+                      ratio="pi_theta / pi_old (geometric mean)")
 def _gspo(cfg, inputs, mask):
     return Ratio(seq_log_ratio(token_log_ratio(inputs.logprobs, inputs.old_logprobs, mask), mask, "geometric_mean"))
 
 
-@register_policy_loss("token_mis", needs_old=True)
+@register_policy_loss("token_mis", paper="Token-MIS", level="token", needs_old=True, ratio="pi_theta / pi_old",
+                      correction="`rho' 1{rho' <= C}`, `rho' = prod_t pi_old / pi_rollout`")
 def _token_mis(cfg, inputs, mask):
-    weight, drop = _mis_mask(cfg, inputs, mask)
-    return Ratio(token_log_ratio(inputs.logprobs, inputs.old_logprobs, mask), weight, drop)
+    weight, masked = _mis_weight(cfg, inputs, mask)
+    return Ratio(token_log_ratio(inputs.logprobs, inputs.old_logprobs, mask), weight, masked)
 
 
-@register_policy_loss("seq_mis", needs_old=True)
+@register_policy_loss("seq_mis", paper="Seq-MIS", level="seq", needs_old=True, ratio="pi_theta / pi_old (seq_ratio)",
+                      correction="`rho' 1{rho' <= C}`, `rho' = prod_t pi_old / pi_rollout`")
 def _seq_mis(cfg, inputs, mask):
-    weight, drop = _mis_mask(cfg, inputs, mask)
+    weight, masked = _mis_weight(cfg, inputs, mask)
     lr = seq_log_ratio(token_log_ratio(inputs.logprobs, inputs.old_logprobs, mask), mask, cfg.seq_ratio)
-    return Ratio(lr, weight, drop)
+    return Ratio(lr, weight, masked)
 
 
-@register_policy_loss("token_tis", needs_old=True)
+@register_policy_loss("token_tis", paper="Token-TIS", level="token", needs_old=True, ratio="pi_theta / pi_old",
+                      correction="`min(pi_old / pi_rollout, C)` per token")
 def _token_tis(cfg, inputs, mask):
     old_vs_rollout = token_log_ratio(inputs.old_logprobs, inputs.rollout_logprobs, mask)
     weight = old_vs_rollout.clamp(max=math.log(cfg.tis_threshold)).exp().detach()
     return Ratio(token_log_ratio(inputs.logprobs, inputs.old_logprobs, mask), weight)
+
+
+@register_policy_loss("seq_bypass", paper="Seq-Bypass", level="seq", ratio="pi_theta / pi_rollout (seq_ratio)")
+def _seq_bypass(cfg, inputs, mask):
+    return Ratio(_seq_vs_rollout(cfg, inputs, mask))
 
 
 # ------------------------------------------------------------------------------ the objective
@@ -211,15 +268,19 @@ def aggregate(values: Tensor, mask: Tensor, mode: str, global_tokens: float, glo
     )
 
 
-def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, kind: str, clamp: float) -> Tensor:
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, kind: str, clamp: float, bound: float) -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) on samples of pi: ``k1 = log pi - log pi_ref``,
-    ``k3 = r - 1 - log r`` with ``r = pi_ref / pi`` (low variance, >= 0)."""
+    ``k3 = r - 1 - log r`` with ``r = pi_ref / pi`` (low variance, >= 0), bounded to
+    ``[-bound, bound]``: k3 grows like ``exp(d)``, so one token far from the reference would
+    otherwise dominate the gradient (a bounded token contributes no KL gradient, as in verl)."""
     d = token_log_ratio(ref_logprobs, logprobs, mask).clamp(-clamp, clamp)
     if kind == "k1":
-        return -d
-    if kind == "k3":
-        return d.exp() - d - 1.0
-    raise ValueError(f"loss.kl_type: expected 'k1' or 'k3', got {kind!r}")
+        kl = -d
+    elif kind == "k3":
+        kl = d.exp() - d - 1.0
+    else:
+        raise ValueError(f"loss.kl_type: expected 'k1' or 'k3', got {kind!r}")
+    return kl.clamp(-bound, bound)
 
 
 def _check(cfg: LossConfig, spec: PolicyLoss, inputs: LossInputs) -> None:
@@ -263,14 +324,17 @@ def policy_loss(cfg: LossConfig, inputs: LossInputs) -> tuple[Tensor, dict[str, 
     tokens = float(mask.sum()) if inputs.global_tokens is None else float(inputs.global_tokens)
     seqs = float(mask.shape[0]) if inputs.global_seqs is None else float(inputs.global_seqs)
 
-    r = spec.ratio(cfg, inputs, mask)
+    r = spec.ratio_fn(cfg, inputs, mask)
     log_ratio = r.log_ratio.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
     seq_level = log_ratio.dim() == 1
+    if seq_level != (spec.level == "seq"):
+        raise ValueError(f"policy loss {spec.name!r} is registered at {spec.level} level but its ratio has shape "
+                         f"{tuple(log_ratio.shape)}")
     ratio = log_ratio.exp()
     if seq_level:
         ratio = ratio.unsqueeze(-1).expand_as(mask)
     adv = _wide(inputs.advantages).unsqueeze(-1).expand_as(mask)
-    per_token, low, high, dual = clipped_surrogate(ratio, adv, cfg.clip_low, cfg.clip_high, cfg.dual_clip_c)
+    per_token, low, high, dual = clipped_surrogate(ratio, adv, *spec.clip_range(cfg), cfg.dual_clip_c)
     if r.weight is not None:
         per_token = per_token * r.weight
     policy = aggregate(per_token, mask, cfg.aggregation, tokens, seqs)
@@ -278,7 +342,7 @@ def policy_loss(cfg: LossConfig, inputs: LossInputs) -> tuple[Tensor, dict[str, 
     zero = policy.new_zeros(())
     kl_term, bonus, stats = zero, zero, {}
     if inputs.ref_logprobs is not None:
-        kl = kl_penalty(inputs.logprobs, inputs.ref_logprobs, mask, cfg.kl_type, cfg.log_ratio_clamp)
+        kl = kl_penalty(inputs.logprobs, inputs.ref_logprobs, mask, cfg.kl_type, cfg.log_ratio_clamp, cfg.kl_clamp)
         if cfg.kl_coef > 0:
             kl_term = cfg.kl_coef * aggregate(kl, mask, cfg.aggregation, tokens, seqs)
         stats["sum/kl_ref"] = torch.where(mask, kl, 0.0).sum().detach()

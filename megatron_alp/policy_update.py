@@ -18,13 +18,17 @@ from typing import Optional
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
 
+from megatron_alp.comm import comm_device
 from megatron_alp.config import LossConfig
 from megatron_alp.logprobs import token_logprobs
 from megatron_alp.metrics import StepMetrics
 from megatron_alp.perturbation import next_microbatch, perturbed_step
 from megatron_alp.policy_loss import LossInputs, policy_loss
-from megatron_alp.rl_batch import RLBatch, micro_batches
+from megatron_alp.rl_batch import RLBatch, build_rl_batch, micro_batches
+from megatron_alp.rollout.base import Trajectory
+from megatron_alp.rollout.weight_sync import mismatch_stats
 
 
 def _pad_multiple(model_config) -> int:
@@ -33,6 +37,17 @@ def _pad_multiple(model_config) -> int:
 
 def _positions(tokens: torch.Tensor) -> torch.Tensor:
     return torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand(tokens.shape[0], -1)
+
+
+def _logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """This rank's logits ``[b, s, V/tp]`` in the model's own dtype. Megatron's Float16Module
+    (bf16/fp16 training) would upcast the whole tensor to fp32 on the last stage, several GiB per
+    micro-batch at V = 152k; :func:`token_logprobs` upcasts one chunk at a time instead."""
+    wrapped = model
+    while not isinstance(wrapped, Float16Module) and hasattr(wrapped, "module"):
+        wrapped = wrapped.module
+    kwargs = {"fp32_output": False} if isinstance(wrapped, Float16Module) else {}
+    return model(tokens, _positions(tokens), None, **kwargs)
 
 
 def _run(model, micro: list[RLBatch], step_fn, forward_only: bool):
@@ -61,7 +76,7 @@ def compute_logprobs(
 
     def step_fn(data_iter, m):
         mb = next(data_iter).to(device)
-        logits = m(mb.tokens, _positions(mb.tokens), None)
+        logits = _logits(m, mb.tokens)
 
         def collect(output):
             lp, _ = token_logprobs(output, mb.targets, temperature=temperature, tp_group=tp_group)
@@ -80,12 +95,33 @@ def compute_logprobs(
     return result
 
 
+def probe_mismatch(model, trajectories: list[Trajectory]) -> dict:
+    """:func:`~megatron_alp.rollout.weight_sync.mismatch_stats` of the engine's logprobs of
+    ``trajectories`` against this model's (unperturbed), the same on every rank: the weight-sync
+    check of :class:`~megatron_alp.rollout.distributed.DistributedRollout`."""
+    batch = build_rl_batch(trajectories, torch.zeros(len(trajectories)), pad_id=0)
+    trainer_lp = compute_logprobs(model, batch, micro_batch_size=len(trajectories), temperature=1.0, pad_id=0)
+    stats = None
+    if ps.is_pipeline_last_stage():
+        keep = batch.loss_mask > 0
+        stats = mismatch_stats(batch.rollout_logprobs[keep], trainer_lp[keep])
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        box = [stats]
+        torch.distributed.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+                                                group=ps.get_pipeline_model_parallel_group())
+        stats = box[0]
+    return stats
+
+
 def global_counts(batch: RLBatch) -> tuple[float, float]:
     """Loss tokens and sequences of a mini-batch summed over data-parallel ranks."""
-    counts = torch.tensor([batch.loss_mask.sum().item(), float(len(batch))], dtype=torch.float64)
-    if ps.get_data_parallel_world_size() > 1:
-        torch.distributed.all_reduce(counts, group=ps.get_data_parallel_group())
-    return counts[0].item(), counts[1].item()
+    tokens, seqs = float(batch.loss_mask.sum().item()), float(len(batch))
+    if ps.get_data_parallel_world_size() == 1:
+        return tokens, seqs
+    group = ps.get_data_parallel_group()
+    counts = torch.tensor([tokens, seqs], dtype=torch.float64, device=comm_device(group))
+    torch.distributed.all_reduce(counts, group=group)
+    return tuple(counts.tolist())
 
 
 def train_mini_batch(
@@ -111,7 +147,7 @@ def train_mini_batch(
     def step_fn(data_iter, m):
         mb = next(data_iter).to(device)
         next_microbatch(m)
-        logits = m(mb.tokens, _positions(mb.tokens), None)
+        logits = _logits(m, mb.tokens)
 
         def loss_fn(output):
             lp, ent = token_logprobs(

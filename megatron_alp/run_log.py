@@ -11,8 +11,10 @@ from typing import Optional
 
 import numpy as np
 
+from megatron_alp.console import progress_stream, say
+
 METRICS_FILE = "metrics.jsonl"
-HEADLINE = ("reward/mean", "ratio/p98", "mismatch/kl_k3", "sigma/mean")
+HEADLINE = ("reward/mean", "val/reward_mean", "ratio/p98", "mismatch/kl_k3", "sigma/mean")
 
 
 class RunLogger:
@@ -44,7 +46,8 @@ class RunLogger:
         if progress_bar:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_iterations, initial=start_iteration, unit="it", dynamic_ncols=True)
+            self.bar = tqdm(total=total_iterations, initial=start_iteration, unit="it", dynamic_ncols=True,
+                            file=progress_stream())
 
     def log(self, iteration: int, metrics: dict) -> None:
         record = {"iteration": iteration, **{k: _plain(v) for k, v in metrics.items()}}
@@ -67,7 +70,7 @@ class RunLogger:
             self.bar.update(1)
         else:
             shown = " ".join(f"{k}={record[k]:.4g}" for k in HEADLINE if isinstance(record.get(k), (int, float)))
-            print(f"iteration {iteration}: {shown}", flush=True)
+            say(f"iteration {iteration}: {shown}")
 
     def close(self) -> None:
         if self.bar is not None:

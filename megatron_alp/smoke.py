@@ -33,7 +33,7 @@ def run(args) -> int:
             hf_to_megatron(tiny_hf_config(args.family)),
             ModelConfig(tiny=args.family, dtype="float32"),
             parallel,
-            PerturbationConfig(layers=args.layers, init_std=args.init_std),
+            PerturbationConfig(enabled=True, layers=args.layers, init_std=args.init_std),
         )
         dev = next(model.parameters()).device
         tokens = torch.randint(3, 512, (2, 16), generator=torch.Generator().manual_seed(0)).to(dev)

@@ -16,9 +16,11 @@ uninterrupted run would have done, and another parallel layout samples the same 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +28,17 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from megatron_alp.config import Config, load_config
+from megatron_alp.comm import comm_device
+from megatron_alp.config import Config, ConfigError, InputError, load_config
+from megatron_alp.console import library_output_to, log_name, say
+from megatron_alp.offload import KINDS, TrainingStateOffloader
+from megatron_alp.platform import has_gpu
 from megatron_alp.seeding import derive_seed
+from megatron_alp.tir.sandbox import SandboxExecutor
+
+# Modules that import Megatron-Core, vLLM or transformers are imported inside the methods that use
+# them: the run's console redirection (`run`) is in place by then, so their import-time warnings go
+# to RUN_DIR/logs/engine.log instead of the terminal.
 
 
 def add_arguments(parser) -> None:
@@ -36,14 +47,27 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    cfg = load_config(args.config, args.overrides)
-    trainer = RLTrainer(cfg)
-    try:
-        trainer.setup()
-        trainer.train()
-    finally:
-        trainer.close()
+    # Validation imports the registered engines (and with them Megatron-Core), whose import-time
+    # warnings belong in the run's log, which only the validated config locates: hold them until then.
+    with warnings.catch_warnings(record=True) as held:
+        warnings.simplefilter("default")
+        cfg = load_config(args.config, args.overrides)
+    with library_output_to(Path(cfg.trainer.output_dir) / "logs" / log_name()) as log:
+        for w in held:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+        if int(os.environ.get("RANK", "0")) == 0:
+            say(f"megatron-alp: engine and library output goes to {log}")
+        trainer = RLTrainer(cfg)
+        try:
+            trainer.setup()
+            trainer.train()
+        finally:
+            trainer.close()
     return 0
+
+
+# seed key of validation sampling, apart from every iteration's (seed, iteration) stream
+_VALIDATION_STREAM = -1
 
 
 def _seed_everything(seed: int) -> None:
@@ -64,6 +88,8 @@ class RLTrainer:
         self.step = 0
         self.logger = None
         self.rollout = None
+        self.executor = None
+        self._validation = None
 
     # ------------------------------------------------------------------------------- setup
 
@@ -84,6 +110,13 @@ class RLTrainer:
             self._lock = lock_run_dir(self.run_dir)
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         self._check_batch_layout()
+        if has_gpu():
+            from megatron_alp.plan import check_fits
+
+            check_fits(cfg, dist.get_world_size(), torch.cuda.get_device_properties(0).total_memory / 2**30)
+        # TIR: code runs on rank 0 only and its output is broadcast, so every rank's episodes agree; the
+        # sandbox starts first so that a machine without full isolation refuses before any model loads
+        self.executor = SandboxExecutor(cfg.tir.sandbox) if cfg.tir.enabled and self.rank == 0 else None
         self.model_dir = self._prepare_model_dir()
         self.tokenizer = load_tokenizer(self.model_dir)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
@@ -91,7 +124,7 @@ class RLTrainer:
         self.dataset = PromptDataset.from_config(
             cfg.data, self.tokenizer, sampling.max_prompt_length, split="train").head(cfg.data.max_train_prompts)
         if self.rank == 0 and getattr(self.dataset, "skipped", None):
-            print(f"data: skipped rows {dict(self.dataset.skipped)}", flush=True)
+            say(f"data: skipped rows {dict(self.dataset.skipped)}")
         self.sampler = PromptSampler(self.dataset, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         self.reward_fn = build_reward(cfg.reward) if self.rank == 0 else None
         self.args = hf_to_megatron(load_hf_config(self.model_dir))
@@ -116,7 +149,7 @@ class RLTrainer:
         dp = self.ps.get_data_parallel_world_size()
         total = t.prompts_per_iteration * n
         if total % (dp * t.updates_per_iteration):
-            raise ValueError(
+            raise ConfigError(
                 f"trainer.prompts_per_iteration * rollout.sampling.n = {total} responses must split evenly "
                 f"into data-parallel size {dp} x trainer.updates_per_iteration {t.updates_per_iteration}"
             )
@@ -128,7 +161,7 @@ class RLTrainer:
         if cfg.model.hf_path is not None:
             path = Path(cfg.model.hf_path)
             if not (path / "config.json").is_file():
-                raise FileNotFoundError(f"model.hf_path: {path} has no config.json (expected a Hugging Face model dir)")
+                raise ConfigError(f"model.hf_path: {path} has no config.json (expected a Hugging Face model dir)")
             return path
         path = self.run_dir / "base_model"
         if self.rank == 0 and not (path / "config.json").is_file():
@@ -150,11 +183,12 @@ class RLTrainer:
         if cfg.trainer.sft_warmup_steps:
             tok = load_tokenizer(tmp)
             data = PromptDataset.from_config(cfg.data, tok, cfg.rollout.sampling.max_prompt_length, split="train")
-            examples = warmup_examples(data, tok, cfg.trainer.sft_warmup_format, cfg.tir.tool_format)
+            examples = warmup_examples(data, tok, cfg.trainer.sft_warmup_format, cfg.tir.tool_format,
+                                       unboxed=cfg.trainer.sft_warmup_unboxed, seed=cfg.trainer.seed)
             stats = warm_start(tmp, examples, tok, steps=cfg.trainer.sft_warmup_steps, lr=cfg.trainer.sft_warmup_lr,
                                seed=cfg.trainer.seed)
-            print(f"warm start: loss {stats['warmstart/first_loss']:.3f} -> {stats['warmstart/last_loss']:.3f} "
-                  f"in {stats['warmstart/steps']} steps", flush=True)
+            say(f"warm start: loss {stats['warmstart/first_loss']:.3f} -> {stats['warmstart/last_loss']:.3f} "
+                f"in {stats['warmstart/steps']} steps")
         os.replace(tmp, path)
 
     def _build_models(self) -> None:
@@ -188,12 +222,20 @@ class RLTrainer:
             for p in self.reference.parameters():
                 p.requires_grad_(False)
         self.need_old = needs_old_logprobs(cfg.loss.name) or cfg.trainer.mismatch_metrics
+        r = cfg.rollout
+        kinds = tuple(kind for kind, on in zip(KINDS, (r.offload_weights, r.offload_grads, r.offload_optimizer)) if on)
+        self.offloader = None
+        if has_gpu() and r.free_memory_during_training and kinds:
+            from megatron_alp.policy_update import model_chunks
+
+            chunks = model_chunks(self.policy) + ([self.reference] if self.reference is not None else [])
+            self.offloader = TrainingStateOffloader(chunks, self.optimizer, kinds)
 
     @property
     def policy_module(self):
-        from megatron_alp.optim import unwrap
+        from megatron.core.utils import unwrap_model
 
-        return unwrap(self.policy)
+        return unwrap_model(self.policy)
 
     def _maybe_resume(self) -> bool:
         from megatron_alp.dist_checkpoint import latest_checkpoint, load_checkpoint
@@ -208,15 +250,35 @@ class RLTrainer:
         self.iteration, self.step = int(extra["iteration"]), int(extra["step"])
         self.sampler.load_state_dict(extra["sampler"])
         if self.rank == 0:
-            print(f"resumed from {ckpt} at iteration {self.iteration}, step {self.step}", flush=True)
+            say(f"resumed from {ckpt} at iteration {self.iteration}, step {self.step}")
         return True
 
     def _start_rollout(self, resumed: bool) -> None:
+        from megatron_alp.policy_update import probe_mismatch
         from megatron_alp.rollout import DistributedRollout
 
-        self.rollout = DistributedRollout(self.cfg.rollout, str(self.model_dir), seed=self.cfg.trainer.seed)
+        with self._engine_awake({}, start=True):  # the engine claims its memory while Megatron's state is away
+            self.rollout = DistributedRollout(self.cfg.rollout, str(self.model_dir), seed=self.cfg.trainer.seed,
+                                              scorer=probe_mismatch)
         if resumed or self.cfg.model.load is not None:
             self.rollout.sync_weights(self.policy_module)
+
+    @contextlib.contextmanager
+    def _engine_awake(self, stats: dict, start: bool = False):
+        """The rollout window of a colocated GPU run: Megatron's state is offloaded
+        (``rollout.offload_*``) and the allocator cache emptied while the engine is awake, and comes
+        back after the engine sleeps. ``start``: the window in which the engine is created."""
+        if self.offloader is not None:
+            stats.update(self.offloader.offload())
+        if not start:
+            self.rollout.wake_up()
+        try:
+            yield
+        finally:
+            if self.rollout is not None:  # None: the engine failed to start
+                self.rollout.sleep()
+            if self.offloader is not None:
+                stats.update(self.offloader.reload())
 
     # ------------------------------------------------------------------------------- loop
 
@@ -225,6 +287,8 @@ class RLTrainer:
         while self.iteration < t.iterations:
             metrics = self.train_iteration()
             self.iteration += 1
+            if t.eval_interval and (self.iteration % t.eval_interval == 0 or self.iteration == t.iterations):
+                metrics.update(self.validate())
             if self.rank == 0:
                 self.logger.log(self.iteration - 1, metrics)
             if self.iteration % t.save_interval == 0 or self.iteration == t.iterations:
@@ -240,48 +304,55 @@ class RLTrainer:
         try:
             make_plots([self.run_dir], log=lambda msg: None)
         except Exception as err:  # a figure must never take the run down
-            print(f"plot: skipped ({err})", flush=True)
+            say(f"plot: skipped ({err})")
 
-    def _sampling_params(self):
+    def _sample_seed(self, *keys: int):
+        """Per-sample seed of the sampling stream ``keys`` (None when rollouts are unseeded)."""
         from megatron_alp.platform import has_gpu
-        from megatron_alp.rollout.base import SamplingParams
 
         s = self.cfg.rollout.sampling
         seeded = s.per_sample_seeds if s.per_sample_seeds is not None else not has_gpu()
+        return derive_seed(self.cfg.trainer.seed, *keys) if seeded else None
+
+    def _sampling_params(self):
+        from megatron_alp.rollout.base import SamplingParams
+
+        s = self.cfg.rollout.sampling
         return SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                              max_tokens=s.max_response_length,
-                              seed=derive_seed(self.cfg.trainer.seed, self.iteration) if seeded else None)
+                              max_tokens=s.max_response_length, seed=self._sample_seed(self.iteration))
 
     def _rollouts(self, prompts) -> list:
-        from megatron_alp.rollout.base import Trajectory
+        from megatron_alp.evaluate import sample_trajectories
 
-        params = self._sampling_params()
-        prompt_ids = [p.prompt_ids for p in prompts]
-        if self.cfg.tir.enabled:
-            from megatron_alp.tir.multi_turn import run_episodes
+        return sample_trajectories(self.rollout, [p.prompt_ids for p in prompts], self._sampling_params(),
+                                   self.cfg.tir, self.tokenizer, self.executor, broadcast=self.rollout._broadcast)
 
-            # code runs on rank 0 only and its output is broadcast, so every rank's episodes agree
-            return run_episodes(self.rollout, prompt_ids, self.tokenizer, params, self.cfg.tir,
-                                self.executor if self.rank == 0 else None, broadcast=self.rollout._broadcast)
-        groups = self.rollout.generate(prompt_ids, params)
-        return [Trajectory.from_completion(c) for group in groups for c in group]
+    def validate(self) -> dict:
+        """``val/*`` metrics of the current policy on ``data.val_files`` (rank 0; {} elsewhere), with
+        the same sample seeds at every evaluation (see :class:`~megatron_alp.evaluate.Validation`)."""
+        from megatron_alp.evaluate import Validation
 
-    @property
-    def executor(self):
-        if not hasattr(self, "_executor"):
-            from megatron_alp.tir.sandbox import SandboxExecutor
-
-            self._executor = SandboxExecutor(self.cfg.tir.sandbox)
-        return self._executor
+        if self._validation is None:
+            self._validation = Validation(self.cfg, self.tokenizer, self.rollout.max_model_len,
+                                          log=say if self.rank == 0 else lambda msg: None)
+        t0 = time.time()
+        self.rollout.wake_up()
+        out = self._validation.run(self.rollout, seed=self._sample_seed(_VALIDATION_STREAM), reward_fn=self.reward_fn,
+                                   tokenizer=self.tokenizer, executor=self.executor, broadcast=self.rollout._broadcast)
+        self.rollout.sleep()
+        out["timing/val_s"] = time.time() - t0
+        return out
 
     def _rewards(self, trajectories, prompts) -> torch.Tensor:
+        """Rank 0 scores the responses; every rank gets the rewards, as a CPU tensor."""
         n = self.cfg.rollout.sampling.n
-        rewards = torch.zeros(len(trajectories), dtype=torch.float32)
+        rewards = torch.zeros(len(trajectories), dtype=torch.float32, device=comm_device())
         if self.rank == 0:
             truths = [prompts[i // n].ground_truth for i in range(len(trajectories))]
-            rewards = torch.tensor(self.reward_fn([t.response_text for t in trajectories], truths), dtype=torch.float32)
+            scores = self.reward_fn([t.response_text for t in trajectories], truths)
+            rewards = torch.tensor(scores, dtype=torch.float32, device=comm_device())
         dist.broadcast(rewards, src=0)
-        return rewards
+        return rewards.cpu()
 
     def train_iteration(self) -> dict:
         from megatron_alp.advantages import group_advantages
@@ -298,9 +369,9 @@ class RLTrainer:
         prompts = self.sampler.next_batch(cfg.trainer.prompts_per_iteration)
 
         t0 = time.time()
-        self.rollout.wake_up()
-        trajectories = self._rollouts(prompts)
-        self.rollout.sleep()
+        with self._engine_awake(timing):
+            trajectories = self._rollouts(prompts)
+            timing.update(_memory("rollout", device_wide=True))
         timing["timing/rollout_s"] = time.time() - t0
 
         t0 = time.time()
@@ -314,6 +385,7 @@ class RLTrainer:
         temperature = cfg.rollout.sampling.temperature
         mbs = cfg.trainer.micro_batch_size
         t0 = time.time()
+        _reset_peak_memory()
         if self.need_old:
             local.old_logprobs = compute_logprobs(self.policy, local, micro_batch_size=mbs,
                                                   temperature=temperature, pad_id=self.pad_id)
@@ -323,8 +395,10 @@ class RLTrainer:
             local.ref_logprobs = compute_logprobs(self.reference, local, micro_batch_size=mbs,
                                                   temperature=temperature, pad_id=self.pad_id)
         timing["timing/ref_logprob_s"] = time.time() - t0
+        timing.update(_memory("logprob"))
 
         t0 = time.time()
+        _reset_peak_memory()
         step_stats = []
         metric_sets = []
         for mini in mini_batches(local, cfg.trainer.updates_per_iteration):
@@ -338,10 +412,13 @@ class RLTrainer:
             step_stats.append(stats)
             metric_sets.append(metrics.reduce(ps.get_data_parallel_group()) if ps.is_pipeline_last_stage() else {})
         timing["timing/update_s"] = time.time() - t0
+        timing.update(_memory("update"))
 
         t0 = time.time()
+        _reset_peak_memory()
         sync_stats = self.rollout.sync_weights(self.policy_module)
         timing["timing/sync_s"] = time.time() - t0
+        timing.update(_memory("sync"))
         timing["timing/total_s"] = time.time() - t_start
 
         out = {"step": self.step}
@@ -365,6 +442,7 @@ class RLTrainer:
         out.update({k: v for k, v in (sync_stats or {}).items() if isinstance(v, (int, float))})
         tokens = float(batch.lengths.sum().item())
         out["throughput/tokens_per_s"] = tokens / max(timing["timing/total_s"], 1e-9)
+        out["throughput/rollout_tokens_per_s"] = float(resp.sum()) / max(timing["timing/rollout_s"], 1e-9)
         self._dump_token_probs(local)
         return out
 
@@ -402,7 +480,7 @@ class RLTrainer:
         ckpt = self.run_dir / "checkpoints" / f"iter_{self.iteration:07d}"
         extra = {"iteration": self.iteration, "step": self.step, "sampler": self.sampler.state_dict()}
         save_checkpoint(ckpt, self.policy_module, optimizer=self.optimizer, opt_param_scheduler=self.scheduler,
-                        extra=extra, hf_config=None, before_commit=_fault_injection)
+                        extra=extra, hf_dir=self.model_dir, before_commit=_fault_injection)
         if self.rank == 0:
             self._prune_checkpoints()
         dist.barrier()
@@ -420,8 +498,8 @@ class RLTrainer:
             self.logger.close()
         if self.rollout is not None:
             self.rollout.shutdown()
-        if hasattr(self, "_executor"):
-            self._executor.close()
+        if self.executor is not None:
+            self.executor.close()
         from megatron_alp.parallel import destroy_distributed
 
         destroy_distributed()
@@ -444,7 +522,7 @@ def lock_run_dir(run_dir: Path):
         f.seek(0)
         holder = f.read().strip() or "unknown"
         f.close()
-        raise RuntimeError(
+        raise InputError(
             f"trainer.output_dir {run_dir} is in use by another training process (pid {holder}); "
             "stop it or choose another output_dir"
         ) from None
@@ -478,3 +556,20 @@ def _mean_dicts(dicts: list[dict]) -> dict:
         else:
             out[k] = float(np.mean(vals))
     return out
+
+
+def _reset_peak_memory() -> None:
+    if has_gpu():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _memory(phase: str, device_wide: bool = False) -> dict:
+    """``memory/<phase>_*`` in GiB on GPUs ({} on the CPU): the trainer allocator's peak since the
+    last reset, or with ``device_wide`` the memory in use on the whole GPU now (the engine's
+    included, which may live in another process)."""
+    if not has_gpu():
+        return {}
+    if device_wide:
+        free, total = torch.cuda.mem_get_info()
+        return {f"memory/{phase}_used_gib": (total - free) / 2**30}
+    return {f"memory/{phase}_peak_gib": torch.cuda.max_memory_allocated() / 2**30}

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megatron_alp.parallel import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -15,7 +17,7 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 600, env: d
     """Run ``tests/dist/<script>`` on ``nproc`` gloo ranks; fail the test with the output on error."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-        "--master_port", str(_free_port()), str(ROOT / "tests" / "dist" / script), *args,
+        "--master_port", str(free_port()), str(ROOT / "tests" / "dist" / script), *args,
     ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
@@ -27,11 +29,3 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 600, env: d
 
 def read_results(path: Path) -> dict:
     return json.loads(Path(path).read_text())
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

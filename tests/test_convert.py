@@ -1,5 +1,6 @@
 """HF <-> Megatron conversion: mapping, logits vs transformers, bit-exact round trips, resharding,
-optimizer checkpoints, the CLI (incl. vLLM loading the export) and bad input."""
+optimizer checkpoints, the CLI (incl. vLLM loading the export, and trainer checkpoints exporting
+on their own) and bad input."""
 
 from __future__ import annotations
 
@@ -143,16 +144,54 @@ def test_every_family_matches_transformers_and_round_trips(dist_run):
     assert results["qwen3_moe"]["expert_tensors"] == 48
 
 
-def test_optimizer_checkpoint_resumes_exactly(tmp_path):
-    out = tmp_path / "results.json"
-    torchrun("check_convert_checkpoint.py", str(tmp_path), str(out))
-    r = read_results(out)
+@pytest.fixture(scope="module")
+def checkpoint_run(tmp_path_factory):
+    """One torchrun job: checkpoints with optimizer state, saved as the trainer saves them."""
+    work = tmp_path_factory.mktemp("convert_checkpoint")
+    out = work / "results.json"
+    torchrun("check_convert_checkpoint.py", str(work), str(out))
+    return work, read_results(out)
+
+
+def test_optimizer_checkpoint_resumes_exactly(checkpoint_run):
+    _, r = checkpoint_run
     assert r["distopt0_float32"] == r["distopt1_bfloat16"] == "resumed step identical"
     assert r["tp1_to_tp2_resume_max_diff"] < 1e-6
     assert r["crash_leaves"] == ["iter_0000001"]
 
 
 # ------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_trainer_checkpoint_exports_without_hf_ref(checkpoint_run, tmp_path):
+    """A checkpoint saved as the trainer saves it holds the HF config and tokenizer: mcore-to-hf
+    needs nothing else, and transformers loads the export with the trained Megatron model's
+    logits and the original tokenizer. One that holds neither asks for --hf-ref."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    work, _ = checkpoint_run
+    base, out = work / "base_model", tmp_path / "hf"
+    ckpt = work / "ckpt_distopt0_float32" / "checkpoints" / "iter_0000002"
+    assert json.loads((ckpt / "megatron_alp.json").read_text())["hf_config"] == load_hf_config(base)
+    convert("mcore-to-hf", "--mcore", str(ckpt), "--out", str(out))
+    assert json.loads((out / "config.json").read_text()) == {**load_hf_config(base), "dtype": "float32"}
+    reference = torch.load(work / "export_reference.pt")
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=reference["tokens"]).logits
+    assert (logits - reference["logits"]).abs().max().item() < 1e-5  # same fp32 weights: kernel rounding only
+    exported, original = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(base)
+    text = "Natalia sold 48 clips in April, and half as many in May. <|im_end|>"
+    assert exported(text).input_ids == original(text).input_ids
+    chat = [{"role": "user", "content": "What is 12 * 7?"}]
+    assert exported.apply_chat_template(chat, tokenize=False) == original.apply_chat_template(chat, tokenize=False)
+
+    old = work / "crash_run" / "checkpoints" / "iter_0000001"  # saved without the HF model directory
+    proc = convert("mcore-to-hf", "--mcore", str(old), "--out", str(tmp_path / "no_ref"), expect_ok=False)
+    assert proc.returncode == 2
+    assert f"{old / 'megatron_alp.json'}: the checkpoint records no HF config" in proc.stderr, proc.stderr[-2000:]
+    assert "pass --hf-ref" in proc.stderr
+    _no_output(tmp_path / "no_ref")
 
 
 def _logit_diff(output: str) -> float:
@@ -226,8 +265,8 @@ def test_cli_reshard_keeps_sigmas_and_export_drops_them(dist_run, models, tmp_pa
     assert meta["extra"] == {"iteration": 3}
     code = (
         "import os, json, torch.distributed as dist\n"
-        "from helpers import _free_port\n"
-        "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(_free_port()), RANK='0', WORLD_SIZE='1')\n"
+        "from megatron_alp.parallel import free_port\n"
+        "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(free_port()), RANK='0', WORLD_SIZE='1')\n"
         "dist.init_process_group('gloo')\n"
         "from megatron.core import dist_checkpointing\n"
         f"t = dist_checkpointing.load_plain_tensors({str(resharded)!r})\n"

@@ -11,17 +11,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_alp.config import config_from_dict
+from megatron_alp.config import ConfigError, config_from_dict
 from megatron_alp.data import DataError, load_tokenizer
 from megatron_alp.evaluate import (
     format_table,
-    last_boxed,
+    generate,
     load_benchmark,
     parse_file_arg,
     pass_at_k,
+    response_budget,
+    sample_trajectories,
     score_matrix,
     summarize,
+    validation_metrics,
 )
+from megatron_alp.rollout.base import Completion
 from megatron_alp.models.tiny import save_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,12 +78,6 @@ def test_score_matrix_on_synthetic_correctness():
 
 
 # ------------------------------------------------------------------------------- layouts
-
-
-def test_last_boxed():
-    assert last_boxed("so \\boxed{1} then \\boxed{\\frac{1}{2}}.") == "\\frac{1}{2}"
-    assert last_boxed("\\fbox{7}") == "7"
-    assert last_boxed("no box") is None and last_boxed("\\boxed{unclosed") is None
 
 
 @pytest.mark.parametrize("name,layout", [
@@ -146,21 +144,97 @@ def test_summarize_groups_samples_by_benchmark_and_problem(tokenizer):
         summarize([a, b], texts[:-1], [10] * 19, rewards[:-1], cfg.eval)
 
 
-def test_cli_errors_before_any_engine_starts(tmp_path):
+def test_cli_errors_before_any_engine_starts(tmp_path, capsys):
+    """Bad input: one message on stderr and exit status 2, before any engine starts."""
+    from megatron_alp.cli import EXIT_BAD_INPUT
     from megatron_alp.cli import main as cli_main
+
+    def fails(argv, message):
+        assert cli_main(argv) == EXIT_BAD_INPUT
+        assert re.search(message, capsys.readouterr().err)
 
     with pytest.raises(SystemExit, match="CONFIG file and/or --model"):
         cli_main(["eval"])
-    with pytest.raises(FileNotFoundError, match="has no config.json"):
-        cli_main(["eval", "--model", str(tmp_path), "eval.k=2"])
+    fails(["eval", "--model", str(tmp_path), "eval.k=2"], "has no config.json")
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"model: {{tiny: qwen3}}\ntrainer: {{output_dir: {tmp_path / 'run'}}}\n")
-    with pytest.raises(FileNotFoundError, match=r"run/base_model has no config.json"):
-        cli_main(["eval", str(cfg), "--files", str(BENCH / "math500.jsonl")])
-    from megatron_alp.config import ConfigError
+    fails(["eval", str(cfg), "--files", str(BENCH / "math500.jsonl")], r"run/base_model has no config.json")
+    fails(["eval", str(cfg), "eval.k=0"], "eval.k")
+    (tmp_path / "run" / "base_model").mkdir(parents=True)
+    (tmp_path / "run" / "base_model" / "config.json").write_text("{}")
+    fails(["eval", str(cfg)], "no benchmark files: set eval.files or data.val_files")
 
-    with pytest.raises(ConfigError, match="eval.k"):
-        cli_main(["eval", str(cfg), "eval.k=0"])
+
+def test_validation_metrics_flatten_overall_and_per_file():
+    one = {"k": 4, "benchmarks": {"val": {"average@4": 0.25, "pass@k": {"1": 0.25, "4": 0.5}}},
+           "average": {"average@4": 0.25, "pass@k": {"1": 0.25, "4": 0.5}}}
+    assert validation_metrics(one) == {"val/reward_mean": 0.25, "val/pass@1": 0.25, "val/pass@4": 0.5}
+    two = {"k": 2, "benchmarks": {"a": {"average@2": 0.5, "pass@k": {"2": 1.0}},
+                                  "b": {"average@2": 0.0, "pass@k": {"2": 0.0}}},
+           "average": {"average@2": 0.25, "pass@k": {"2": 0.5}}}
+    assert validation_metrics(two) == {"val/reward_mean": 0.25, "val/pass@2": 0.5, "val/a/reward_mean": 0.5,
+                                       "val/a/pass@2": 1.0, "val/b/reward_mean": 0.0, "val/b/pass@2": 0.0}
+
+
+class FakeEngine:
+    """Answers every prompt with ``max_tokens`` copies of token 7; records what it was asked."""
+
+    def __init__(self, n_out=None):
+        self.n_out, self.calls, self.closed = n_out, [], False
+
+    def generate(self, prompts, params):
+        self.calls.append(params)
+        n = params.n if self.n_out is None else self.n_out
+        return [[Completion(list(p), [7] * params.max_tokens, [-0.5] * params.max_tokens, "length", text=f"{i}")
+                 for _ in range(n)] for i, p in enumerate(prompts)]
+
+    def shutdown(self):
+        self.closed = True
+
+
+def test_sample_trajectories_single_turn():
+    from megatron_alp.config import TIRConfig
+    from megatron_alp.rollout.base import SamplingParams
+
+    params = SamplingParams(n=3, max_tokens=2)
+    trajs = sample_trajectories(FakeEngine(), [[1, 2], [3]], params, TIRConfig())
+    assert [t.response_text for t in trajs] == ["0"] * 3 + ["1"] * 3
+    assert trajs[3].prompt_ids == [3] and trajs[3].loss_mask == [1, 1] and trajs[3].rollout_logprobs == [-0.5, -0.5]
+    with pytest.raises(RuntimeError, match=r"engine returned \[2, 2\] completions for 2 prompts x n=3"):
+        sample_trajectories(FakeEngine(n_out=2), [[1, 2], [3]], params, TIRConfig())
+
+
+def test_response_budget_cuts_to_the_context_with_a_notice():
+    notes = []
+    ev = _cfg(max_response_length=4096).eval
+    assert response_budget(ev, 1024, 61, notes.append) == 963
+    assert notes == ["eval: responses limited to 963 tokens (eval.max_response_length=4096): the engine "
+                     "context is 1024 tokens and the longest prompt has 61"]
+    assert response_budget(_cfg(max_response_length=24).eval, 1024, 61, notes.append) == 24 and len(notes) == 1
+    with pytest.raises(ConfigError, match="leaves no room to answer a 90-token prompt"):
+        response_budget(ev, 90, 90, notes.append)
+
+
+def test_eval_generation_fits_the_model_context(tmp_path, tokenizer, monkeypatch, capsys):
+    """`megatron-alp eval` of a 1024-position model with the default 4096-token limit: the engine
+    context is the model's (vLLM refuses a longer one) and responses get what the prompt leaves."""
+    from megatron_alp import rollout
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 1024}))
+    engines = []
+    monkeypatch.setattr(rollout, "build_engine", lambda cfg, model_dir, seed: engines.append((cfg, FakeEngine()))
+                        or engines[-1][1])
+    cfg = _cfg(k=2)
+    prompts = load_benchmark("m", str(BENCH / "math500.jsonl"), tokenizer, cfg, limit=2).prompts
+    longest = max(len(p.prompt_ids) for p in prompts)
+    texts, lengths = generate(cfg, str(tmp_path), prompts, seed=0)
+    (engine_cfg, engine), = engines
+    assert engine_cfg.max_model_len == 1024 and engine.calls[0].max_tokens == 1024 - longest
+    assert texts == ["0", "0", "1", "1"] and lengths == [1024 - longest] * 4 and engine.closed
+    assert f"responses limited to {1024 - longest} tokens (eval.max_response_length=4096)" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="max_model_len=2048 exceeds the model's max_position_embeddings=1024"):
+        generate(config_from_dict({"model": {"tiny": "qwen2"}, "rollout": {"max_model_len": 2048}}), str(tmp_path),
+                 prompts, seed=0)
 
 
 # ---------------------------------------------------------------------------- real run

@@ -73,6 +73,44 @@ def test_extreme_logits_stay_finite():
     assert lp[0, 1].item() == pytest.approx(-torch.log(torch.tensor(4.0)).item(), abs=1e-6)
 
 
+def _exact(logits, targets, temperature):
+    """log_softmax in the logits' own dtype (fp64 here): the textbook formulas."""
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    p = logp.exp()
+    return lp, -(torch.where(p > 0, p * logp, torch.zeros_like(p))).sum(-1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fp64_logits_forward_and_backward_in_fp64(temperature):
+    logits, targets = _random(2, 9, 40, torch.float64, seed=3)
+    lp, ent, grad = _fwd_bwd(token_logprobs, logits, targets, temperature, True, chunk_tokens=4)
+    ref_lp, ref_ent, ref_grad = _fwd_bwd(lambda x, t, temperature, with_entropy: _exact(x, t, temperature),
+                                         logits, targets, temperature, True)
+    assert lp.dtype == torch.float64 and grad.dtype == torch.float64
+    assert torch.allclose(lp, ref_lp, rtol=0, atol=1e-12)
+    assert torch.allclose(ent, ref_ent, rtol=0, atol=1e-12)
+    assert torch.allclose(grad, ref_grad, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_masked_minus_inf_logits_give_finite_entropy_and_gradients(dtype):
+    """A -inf logit (a masked vocabulary entry) has probability 0: entropy and gradients equal those of
+    the vocabulary without it, not NaN."""
+    logits, targets = _random(2, 6, 30, dtype, seed=4)
+    targets = targets % 20  # targets among the kept entries
+    masked = logits.clone()
+    masked[..., 20:] = float("-inf")
+    lp, ent, grad = _fwd_bwd(token_logprobs, masked, targets, 0.8, True)
+    ref_lp, ref_ent, ref_grad = _fwd_bwd(lambda x, t, temperature, with_entropy: _exact(x.double(), t, temperature),
+                                         logits[..., :20], targets, 0.8, True)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert torch.isfinite(ent).all() and torch.isfinite(grad).all()
+    assert torch.allclose(lp.double(), ref_lp, atol=tol) and torch.allclose(ent.double(), ref_ent, atol=tol)
+    assert torch.allclose(grad[..., :20].double(), ref_grad.double(), atol=tol)
+    assert (grad[..., 20:] == 0).all()
+
+
 def test_backward_keeps_no_full_size_fp32_copy():
     """The autograd graph of the fused path holds the logits shard and a few numbers per token;
     the plain path holds at least one extra full-vocabulary fp32 tensor."""

@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 
 from megatron_alp.cli import main as cli_main
-from megatron_alp.plot import Run, make_plots, pearson_r
+from megatron_alp.plot import Run, draw_curve, make_plots, pearson_r
 
 LAYERS = 4
 
 
 def write_run(run_dir, iterations=30, *, sigma=True, ratios=True, token_probs=(10, 29), tail=1.0, seed=0):
-    """A metrics.jsonl with every key the trainer writes (16 optimizer steps per iteration)."""
+    """A metrics.jsonl with every key the trainer writes (16 optimizer steps per iteration; validation
+    every 10 iterations, as with trainer.eval_interval: 10)."""
     rng = np.random.default_rng(seed)
     run_dir.mkdir(parents=True)
     lines = []
@@ -37,6 +38,8 @@ def write_run(run_dir, iterations=30, *, sigma=True, ratios=True, token_probs=(1
                 rec.update({f"sigma/layer_{layer:02d}/mean": s, f"sigma/layer_{layer:02d}/min": s / 2,
                             f"sigma/layer_{layer:02d}/max": 2 * s})
             rec["sigma/mean"] = 2e-4
+        if (it + 1) % 10 == 0:
+            rec.update({"val/reward_mean": 0.1 + 0.01 * it, "val/pass@1": 0.1 + 0.01 * it, "val/pass@4": 0.3})
         lines.append(json.dumps(rec))
     lines.append('{"iteration": 30, "step": 4')  # a line cut short by a kill
     (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
@@ -95,6 +98,23 @@ def test_series_and_sites(tmp_path):
     assert run.series("no/such/key") is None
     assert run.token_prob_file(None).name == "iter_000029.npz"
     assert run.token_prob_file(3) is None
+
+
+def test_validation_is_drawn_in_the_reward_figure(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    assert draw_curve(ax, [Run(write_run(tmp_path / "r"))], "reward")
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    plt.close(fig)
+    assert set(lines) == {"train (rollouts)", "validation (average@k)"}
+    val = lines["validation (average@k)"]
+    assert list(val.get_xdata()) == [160, 320, 480] and list(val.get_ydata()) == pytest.approx([0.19, 0.29, 0.39])
+    assert val.get_marker() == "o", "sparse validation points are marked"
+    assert len(lines["train (rollouts)"].get_xdata()) == 30 and lines["train (rollouts)"].get_marker() in ("None", None)
 
 
 def test_pearson_r():

@@ -4,13 +4,14 @@ cases, normalisation over micro-batches, and TP=2 / DP=2 agreement (torchrun, gl
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from pydantic import ValidationError
 
 from helpers import read_results, torchrun
-from megatron_alp.config import LOSS_NAMES, ConfigError, LossConfig, config_from_dict
+from megatron_alp.config import ConfigError, LossConfig, config_from_dict, load_config
 from megatron_alp.policy_loss import (
     POLICY_LOSSES,
     LossInputs,
@@ -23,7 +24,10 @@ from megatron_alp.policy_loss import (
     token_log_ratio,
 )
 
+# The paper's objectives (section 2 and the appendix table of importance ratios), written out here.
+LOSS_NAMES = ("alp_token", "alp_seq", "grpo", "gspo", "token_mis", "seq_mis", "token_tis", "seq_bypass")
 SEQ_LEVEL = {"alp_seq", "seq_bypass", "seq_mis", "gspo"}
+PERTURBED = {"alp_token", "alp_seq"}
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
 
@@ -51,8 +55,10 @@ def reference_loss(cfg: LossConfig, lp, rollout, old, ref, ent, adv, mask, n_tok
             seq_ratio = ratio_of(s / len(toks) if geometric else s)
         keep = 1.0
         if cfg.name in ("token_mis", "seq_mis") and toks:
-            rho_prime = math.prod(math.exp(float(old[i, t] - rollout[i, t])) for t in toks)
-            keep = 0.0 if rho_prime > cfg.mis_threshold else 1.0
+            # correcting ratio rho'_i = prod_t pi_old / pi_rollout, masked where rho'_i > C (and < 1/C two-sided)
+            rho_prime = math.exp(sum(float(old[i, t] - rollout[i, t]) for t in toks))
+            dropped = rho_prime > cfg.mis_threshold or (cfg.mis_two_sided and rho_prime < 1 / cfg.mis_threshold)
+            keep = 0.0 if dropped else rho_prime
         terms, kls, ents = [], [], []
         for t in toks:
             r = seq_ratio if seq_ratio is not None else ratio_of(numerator[i, t] - denominator[i, t])
@@ -64,7 +70,7 @@ def reference_loss(cfg: LossConfig, lp, rollout, old, ref, ent, adv, mask, n_tok
                 weight = min(math.exp(float(old[i, t] - rollout[i, t])), cfg.tis_threshold)
             terms.append(weight * term)
             d = torch.clamp(ref[i, t] - lp[i, t], -clamp, clamp)
-            kls.append(-d if cfg.kl_type == "k1" else torch.exp(d) - d - 1)
+            kls.append(torch.clamp(-d if cfg.kl_type == "k1" else torch.exp(d) - d - 1, -cfg.kl_clamp, cfg.kl_clamp))
             ents.append(ent[i, t])
         for key, vals in (("policy", terms), ("kl", kls), ("ent", ents)):
             total = sum(vals) if vals else lp.new_zeros(())
@@ -143,7 +149,8 @@ def test_loss_matches_paper_formula(name, aggregation):
     seen = {"low": 0.0, "high": 0.0, "dual": 0.0, "masked": 0.0}
     batches = [make_batch(*shape, seed=seed) for shape, seed in (((3, 5), 0), ((6, 9), 1), ((4, 16), 2))]
     for d in batches + [crafted_batch()]:
-        for kw in ({}, {"seq_ratio": "geometric_mean", "kl_type": "k1"}, {"dual_clip_c": None}):
+        for kw in ({}, {"seq_ratio": "geometric_mean", "kl_type": "k1"}, {"dual_clip_c": None},
+                   {"mis_two_sided": True, "kl_clamp": 0.05}):
             cfg = cfg_for(name, aggregation=aggregation, **kw)
             (loss, g_lp, g_ent, stats), (ref, r_lp, r_ent) = fused_and_reference(cfg, d)
             assert torch.isclose(loss, ref, rtol=1e-9, atol=1e-12), f"{cfg}: loss {loss} != {ref}"
@@ -349,22 +356,110 @@ def test_missing_inputs_are_named():
 
 
 def test_registry_accepts_new_losses():
-    assert set(LOSS_NAMES) <= set(POLICY_LOSSES)
+    """A new loss is one registered function: selectable as loss.name, its declared properties used
+    by config validation and listed in the generated docs, with no edit anywhere else."""
+    from megatron_alp.config_docs import config_docs
 
-    @register_policy_loss("test_half_alp")
+    @register_policy_loss("test_half_alp", paper="Half-ALP", level="token", perturbed=True,
+                          ratio="(pi_theta,sigma / pi_rollout)^0.5", clip=(0.1, 0.1))
     def _half(cfg, inputs, mask):
         return Ratio(0.5 * token_log_ratio(inputs.logprobs, inputs.rollout_logprobs, mask))
 
     try:
         with pytest.raises(ValueError, match="already registered"):
-            register_policy_loss("test_half_alp")(_half)
+            register_policy_loss("test_half_alp", paper="x", level="token", ratio="x")(_half)
+        cfg = config_from_dict({"model": {"tiny": "qwen2"}, "loss": {"name": "test_half_alp"}})
+        assert cfg.perturbation.enabled is True  # declared perturbed
+        assert (cfg.loss.clip_low, cfg.loss.clip_high) == (0.1, 0.1)  # its declared default clip
+        assert "`test_half_alp` | Half-ALP" in config_docs()
         d = make_batch(3, 4, seed=1)
-        cfg = LossConfig.model_construct(**{**cfg_for("alp_token").model_dump(), "name": "test_half_alp"})
-        loss, _ = policy_loss(cfg, _inputs(d))
+        loss, _ = policy_loss(cfg.loss, _inputs(d))
         base, _ = policy_loss(cfg_for("alp_token"), _inputs(d))
         assert torch.isfinite(loss) and not torch.isclose(loss, base)
     finally:
         del POLICY_LOSSES["test_half_alp"]
+    with pytest.raises(ConfigError, match=r"loss\.name.*unknown policy loss 'test_half_alp'"):
+        config_from_dict({"model": {"tiny": "qwen2"}, "loss": {"name": "test_half_alp"}})
+
+
+def test_registry_declares_the_papers_properties():
+    """Appendix table: which ratio each baseline clips, at which level; ALP alone is perturbed."""
+    for name in LOSS_NAMES:
+        spec = get_policy_loss(name)
+        assert spec.perturbed == (name in PERTURBED), name
+        assert spec.level == ("seq" if name in SEQ_LEVEL else "token"), name
+        assert spec.needs_old == (name in ("grpo", "gspo", "token_mis", "seq_mis", "token_tis")), name
+        # paper appendix: token ratios clip at 0.2 / 0.28, sequence ratios at 0.5 / 3.0
+        assert spec.clip == ((0.5, 3.0) if name in SEQ_LEVEL else (0.2, 0.28)), name
+
+
+@pytest.mark.parametrize("name", ["token_mis", "seq_mis"])
+@pytest.mark.parametrize("two_sided", [False, True])
+def test_mis_weight_is_the_correcting_ratio_masked_above_c(name, two_sided):
+    """Paper section 2 (MIS): each sequence's objective is multiplied by rho' = prod_t pi_old / pi_rollout
+    and masked where rho' > C (two-sided: also where rho' < 1/C). C = 2."""
+    rhos = [0.3, 0.6, 1.0, 1.9, 2.5]  # per sequence, none on a boundary
+    T = 3
+    rollout = torch.full((len(rhos), T), -1.0, dtype=torch.float64)
+    old = rollout.clone()
+    for i, rho in enumerate(rhos):  # spread log rho' over the tokens unevenly
+        old[i] += torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64) * math.log(rho)
+    lp = old.clone().requires_grad_()  # pi_theta = pi_old: the clipped term is -A * 1 on every token
+    adv = torch.ones(len(rhos), dtype=torch.float64)
+    mask = torch.ones(len(rhos), T, dtype=torch.float64)
+    cfg = LossConfig(name=name, mis_threshold=2.0, mis_two_sided=two_sided, kl_coef=0.0, entropy_coef=0.0,
+                     aggregation="seq-mean-token-sum")
+    loss, stats = policy_loss(cfg, LossInputs(logprobs=lp, rollout_logprobs=rollout, advantages=adv, mask=mask,
+                                              old_logprobs=old))
+    loss.backward()
+    expected = [rho if rho <= 2.0 and not (two_sided and rho < 0.5) else 0.0 for rho in rhos]
+    # ratio 1 (inside the clip): d loss / d log pi_theta(t) = -A * weight / n_seqs per token term that
+    # depends on t: one for a token ratio, all T terms of the sequence for a sequence ratio
+    terms = T if name == "seq_mis" else 1
+    per_seq_grad = -lp.grad[:, 0] * len(rhos) / terms
+    assert torch.allclose(per_seq_grad, torch.tensor(expected, dtype=torch.float64), rtol=1e-9), per_seq_grad
+    assert torch.isclose(loss, torch.tensor(-sum(expected) * T / len(rhos), dtype=torch.float64), rtol=1e-9)
+    assert stats["count/masked"].item() == T * sum(w == 0.0 for w in expected)
+
+
+def test_k3_kl_is_bounded():
+    """One token far from the reference (log-ratio 15) must not dominate: its k3 estimate is capped at
+    kl_clamp (10) and contributes no gradient, while a token near the reference keeps its gradient."""
+    lp = torch.tensor([[-1.0, -1.0]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[14.0 - 1.0, -1.1]], dtype=torch.float64)  # log(pi_ref / pi) = 14 and -0.1 (k3 = e^14 ...)
+    cfg = LossConfig(name="alp_token", kl_coef=1.0, entropy_coef=0.0)
+    inputs = LossInputs(logprobs=lp, rollout_logprobs=lp.detach(), advantages=torch.zeros(1, dtype=torch.float64),
+                        mask=torch.ones(1, 2, dtype=torch.float64), ref_logprobs=ref)
+    loss, stats = policy_loss(cfg, inputs)
+    loss.backward()
+    near = math.exp(-0.1) + 0.1 - 1  # k3 of the near token, unbounded formula
+    assert stats["sum/kl_ref"].item() == pytest.approx(10.0 + near)
+    assert lp.grad[0, 0].item() == 0.0
+    # d k3 / d log pi = 1 - pi_ref / pi for the near token, divided by 2 tokens
+    assert lp.grad[0, 1].item() == pytest.approx((1 - math.exp(-0.1)) / 2)
+
+
+def test_a_baseline_is_never_silently_perturbed():
+    root = Path(__file__).resolve().parents[1]
+    alp = root / "configs" / "qwen2.5-math-1.5b_token_alp.yaml"
+    with pytest.raises(ConfigError, match=r"perturbation\.enabled.*loss\.name=grpo"):
+        load_config(alp, ["loss.name=grpo"])
+    with pytest.raises(ConfigError, match=r"perturbation\.enabled.*loss\.name=seq_bypass"):
+        load_config(alp, ["loss.name=seq_bypass"])
+    ablation = load_config(alp, ["loss.name=grpo", "perturbation.allow_with_baseline=true"])
+    assert ablation.perturbation.enabled is True
+    with pytest.raises(ConfigError, match=r"perturbation\.enabled: false.*alp_token"):
+        load_config(alp, ["perturbation.enabled=false"])
+    # without an explicit choice, the loss decides; clip ranges default to the loss's level
+    for name in LOSS_NAMES:
+        cfg = config_from_dict({"model": {"tiny": "qwen2"}, "loss": {"name": name}})
+        assert cfg.perturbation.enabled == (name in PERTURBED), name
+        assert (cfg.loss.clip_low, cfg.loss.clip_high) == ((0.5, 3.0) if name in SEQ_LEVEL else (0.2, 0.28))
+    for path in sorted((root / "configs").glob("*.yaml")):
+        cfg = load_config(path)
+        assert cfg.perturbation.enabled == get_policy_loss(cfg.loss.name).perturbed, path.name
+        if cfg.perturbation.enabled and "quickstart" not in path.name:
+            assert cfg.perturbation.shape == "scalar", f"{path.name}: the paper learns one sigma per layer"
 
 
 # ------------------------------------------------------------------ multi-rank (torchrun, gloo)

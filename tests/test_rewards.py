@@ -27,6 +27,15 @@ def reward():
     ("\\boxed{\\{1, 2\\}}", "\\{1, 2\\}"),
     ("\\boxed{x^{2}} and \\fbox{y_{1}}", "y_{1}"),
     ("so $\\boxed 5$", "5"),
+    ("The answer is \\boxed 12.", "12"),
+    ("\\boxed 3.5, done", "3.5"),
+    ("\\boxed {7}", "7"),
+    ("\\boxed{1} and later \\boxed 2", "2"),
+    ("\\fbox{\\{a\\}}", "\\{a\\}"),
+    ("\\boxed{\\}}", "\\}"),  # an escaped closing brace is content
+    ("\\boxed{a \\{ b}", "a \\{ b"),  # an escaped opening brace opens nothing
+    ("\\boxed{2} \\boxedtext{3}", "2"),  # another command, not \boxed
+    ("ends in \\boxed", None),
     ("no box here", None),
     ("\\boxed{}", None),
     ("\\boxed{unclosed {", None),
@@ -46,6 +55,7 @@ def test_math_verify_scores(reward):
         ("\\boxed{(x+1)^{2}}", "x^2 + 2x + 1", 1.0),
         ("\\boxed{\\{1,2\\}}", "\\{2, 1\\}", 1.0),
         ("we try \\boxed{3}, no wait: \\boxed{4}", "4", 1.0),
+        ("The answer is \\boxed 5.", "5", 1.0),
         ("we try \\boxed{4}, no wait: \\boxed{3}", "4", 0.0),
         ("\\boxed{8}", "7", 0.0),
         ("\\boxed{\\frac{1}{3}}", "0.5", 0.0),

@@ -1,4 +1,4 @@
-"""Issue #6: the RL trainer end to end on the CPU (real vLLM, Megatron, math-verify)."""
+"""The RL trainer end to end on the CPU (real vLLM, Megatron, math-verify)."""
 
 import json
 import math
@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import _free_port
+from megatron_alp.parallel import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart_cpu.yaml"
@@ -29,7 +29,7 @@ SMALL = [
 def train(run_dir: Path, *overrides: str, env: dict | None = None, nproc: int = 1, wait: bool = True,
           config: Path = QUICKSTART):
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "--master_port", str(_free_port()), "-m", "megatron_alp.cli", "train", str(config),
+           "--master_port", str(free_port()), "-m", "megatron_alp.cli", "train", str(config),
            f"trainer.output_dir={run_dir}", *SMALL, *overrides]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -51,19 +51,19 @@ def quickstart_run(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("quickstart") / "quick"
     rc, out = train(run, "trainer.iterations=8", "trainer.save_interval=8")
     assert rc == 0, out[-6000:]
+    (run / "terminal.txt").write_text(out)
     return run
 
 
-def test_quickstart_ci_sized_reward_rises(quickstart_run):
+def test_quickstart_ci_sized_run_trains_logs_and_saves(quickstart_run):
+    """The main job end to end at CI size. Learning itself is checked deterministically in
+    test_policy_update.py (an 8-iteration reward curve of a tiny model is noise across machines);
+    the reward rise over several seeds is a slow test."""
     run = quickstart_run
     m = metrics(run)
     assert [r["iteration"] for r in m] == list(range(8))
-    # Fixed seeds (per-sample rollout seeds, seeded data order and noise) make the run repeatable,
-    # so the rise is a property of this seed, not a lucky draw: the warm-started policy is sometimes
-    # right, and Token-ALP sharpens it on the 64-prompt pool.
     reward = [r["reward/mean"] for r in m]
-    assert all(r > 0 for r in reward), reward
-    assert sum(reward[-3:]) / 3 > sum(reward[:3]) / 3 + 0.02, reward
+    assert all(0 <= r <= 1 for r in reward), reward
     kl = [r["kl_ref/mean"] for r in m]
     assert all(k > 1e-3 for k in kl), kl  # the updates moved the policy (ALP noise alone: ~1e-8)
     for key in ("ratio/p2", "ratio/p98", "mismatch/kl_k3", "sigma/mean", "grad_norm", "throughput/tokens_per_s"):
@@ -72,8 +72,19 @@ def test_quickstart_ci_sized_reward_rises(quickstart_run):
     assert (run / "checkpoints").is_dir()
 
 
+def test_the_terminal_shows_only_our_lines(quickstart_run):
+    """Engine and library chatter (vLLM INFO/WARNING, dtype warnings, Python warnings, C++ logs) goes
+    to RUN_DIR/logs/engine.log; the terminal keeps the project's own lines (the bar is off here)."""
+    terminal = (quickstart_run / "terminal.txt").read_text().splitlines()
+    ours = ("megatron-alp: ", "warm start: ", "iteration ")
+    assert terminal and all(line.startswith(ours) for line in terminal), terminal
+    assert sum(line.startswith("iteration ") for line in terminal) == 8
+    log = (quickstart_run / "logs" / "engine.log").read_text()
+    assert "Attempted to load weight" in log and "vllm" in log.lower() and "UserWarning" in log
+
+
 def test_tir_quickstart_runs_the_models_code(tmp_path):
-    """Issue #7: a few iterations of the multi-turn quickstart (real vLLM, the sandbox, Seq-ALP): the
+    """A few iterations of the multi-turn quickstart (real vLLM, the sandbox, Seq-ALP): the
     warm-started model writes code, the sandbox runs it, and some episodes end with the right answer."""
     run = tmp_path / "tir"
     # a shorter warm start: the episode format is learnt, copying the problem into the code not yet
@@ -177,6 +188,7 @@ LOSS_KEYS = ("loss/policy", "loss/total", "kl_ref/mean", "entropy/mean", "ratio/
              "grad_norm")
 TP2_SP = ("parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true")
 PP2 = ("parallel.pipeline_model_parallel_size=2",)
+RECOMPUTE = ("model.recompute=full",)  # the CPU shims must hold inside autograd's recomputation too
 
 
 def _train_two_ranks(run: Path, reference: Path, *overrides: str) -> str:
@@ -209,9 +221,10 @@ def _check_matches_one_rank(layout: str, got: list[dict], reference: list[dict])
 
 
 def test_tensor_and_pipeline_parallel_training_reproduces_the_one_rank_run(quickstart_run, tmp_path):
-    """`megatron-alp train` on 2 gloo ranks, vLLM in its engine-core subprocess on rank 0."""
+    """`megatron-alp train` on 2 gloo ranks (TP2+SP, PP2, DP2 with full activation recomputation), vLLM
+    in its engine-core subprocess on rank 0."""
     reference = metrics(quickstart_run)
-    for layout, overrides in {"tp2_sp": TP2_SP, "pp2": PP2}.items():
+    for layout, overrides in {"tp2_sp": TP2_SP, "pp2": PP2, "dp2_recompute": RECOMPUTE}.items():
         _train_two_ranks(tmp_path / layout, quickstart_run, "trainer.iterations=2", *overrides)
         _check_matches_one_rank(layout, metrics(tmp_path / layout), reference)
 
@@ -229,3 +242,62 @@ def test_data_parallel_training_and_a_resumed_pipeline_parallel_run_reproduce_th
     out = _train_two_ranks(run, quickstart_run, "trainer.iterations=2", *PP2)
     assert "resumed from" in out and "iter_0000001" in out, out[-6000:]
     _check_matches_one_rank("pp2 resumed", metrics(run), reference)
+
+
+def test_validation_every_eval_interval_on_one_and_two_ranks(quickstart_run, tmp_path):
+    """`trainer.eval_interval`: val/* (average@k, pass@j) of data.val_files after every interval and
+    after the last iteration, from the run's engine; on 2 ranks every rank takes part in sampling
+    (the rollout API is collective) and rank 0 scores and logs. The reward figure draws them."""
+    one_rank = metrics(quickstart_run)  # the quickstart validates every 10 iterations and after the last
+    assert ["val/reward_mean" in r for r in one_rank] == [False] * 7 + [True]
+    run = tmp_path / "dp2"
+    _train_two_ranks(run, quickstart_run, "trainer.iterations=3", "trainer.eval_interval=2", "eval.k=2")
+    two_ranks = metrics(run)
+    assert ["val/reward_mean" in r for r in two_ranks] == [False, True, True]
+    for r in one_rank[-1:] + two_ranks[1:]:
+        assert 0 <= r["val/pass@1"] == pytest.approx(r["val/reward_mean"]) <= 1, r
+        assert r["val/pass@1"] <= r["val/pass@2"] <= 1 and r["timing/val_s"] > 0, r
+    assert (run / "plots" / "reward.png").is_file()
+
+
+def test_warm_start_leaves_out_the_box_on_a_fraction_of_prompts(tmp_path):
+    """trainer.sft_warmup_unboxed: that fraction of the prompts (drawn with the seed) gets "The answer
+    is 7." as its warm-start target, the others "The answer is \\boxed{7}."; the TIR format refuses it."""
+    from megatron_alp.data import PromptDataset, load_tokenizer
+    from megatron_alp.models.tiny import save_tokenizer
+    from megatron_alp.models.warmstart import warmup_examples
+
+    tok = load_tokenizer(save_tokenizer(tmp_path))
+    prompts = PromptDataset.from_files([str(ROOT / "data" / "largest" / "train.jsonl")], tok, 96).head(400)
+    examples = warmup_examples(prompts, tok, "answer", unboxed=0.5, seed=3)
+    texts = [tok.decode(ids, skip_special_tokens=True) for _, ids, _ in examples]
+    boxed = [t == f"The answer is \\boxed{{{p.ground_truth}}}." for t, p in zip(texts, prompts)]
+    plain = [t == f"The answer is {p.ground_truth}." for t, p in zip(texts, prompts)]
+    assert all(b != u for b, u in zip(boxed, plain)) and 160 < sum(plain) < 240
+    assert examples == warmup_examples(prompts, tok, "answer", unboxed=0.5, seed=3)
+    assert all(t.endswith("}.") for t in [tok.decode(ids, skip_special_tokens=True)
+                                          for _, ids, _ in warmup_examples(prompts, tok, "answer")])
+    with pytest.raises(ValueError, match="unboxed warm-start answers are for the answer format"):
+        warmup_examples(prompts, tok, "tir", unboxed=0.5)
+
+
+@pytest.mark.slow
+def test_quickstart_reward_rises_and_generalizes_for_several_seeds(tmp_path):
+    """The whole CPU quickstart, as the README runs it, for seeds 1-3: the last-10 mean reward is at
+    least 1.5x the first-10 mean, and the validation average@k on held-out problems after RL beats
+    the warm-started base model's (scored by `megatron-alp eval` on RUN_DIR/base_model) by 0.1."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    for seed in (1, 2, 3):
+        run = tmp_path / f"seed{seed}"
+        common = [str(QUICKSTART), f"trainer.output_dir={run}", f"trainer.seed={seed}"]
+        for cmd in (["train", *common, "trainer.progress_bar=false"],
+                    ["eval", *common, "--out", str(run / "base.json")]):
+            proc = subprocess.run([sys.executable, "-m", "megatron_alp.cli", *cmd], cwd=ROOT, env=env,
+                                  capture_output=True, text=True, timeout=1800)
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        m = metrics(run)
+        reward = [r["reward/mean"] for r in m]
+        first, last = sum(reward[:10]) / 10, sum(reward[-10:]) / 10
+        assert last >= 1.5 * first, (seed, first, last, reward)
+        base = json.loads((run / "base.json").read_text())["average"]["average@4"]
+        assert m[-1]["val/reward_mean"] >= base + 0.1, (seed, base, m[-1]["val/reward_mean"])

@@ -1,4 +1,4 @@
-"""Issue #5: weight sync Megatron -> rollout engine, and engine-vs-trainer mismatch statistics.
+"""Weight sync Megatron -> rollout engine, and engine-vs-trainer mismatch statistics.
 
 The torchrun checks (tests/dist/check_weight_sync.py) compare a real vLLM engine with the real
 Megatron model on the same tokens; the unit tests cover the stream, the on-disk hand-over and the
@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import read_results, torchrun
+from megatron_alp.models.hf_weights import INDEX_FILE
 from megatron_alp.models.tiny import make_tiny_model
 from megatron_alp.rollout.weight_sync import (
-    INDEX_FILE,
     WeightStream,
     format_mismatch,
     mismatch_stats,

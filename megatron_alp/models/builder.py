@@ -10,7 +10,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_alp.config import ModelConfig, ParallelConfig, PerturbationConfig
 from megatron_alp.models.families import MegatronModelArgs, torch_dtype
 from megatron_alp.models.layer_spec import block_spec, resolve_spec
-from megatron_alp.platform import has_gpu
+from megatron_alp.platform import device, place_on_device
 
 
 def check_parallel_layout(args: MegatronModelArgs, parallel: ParallelConfig) -> None:
@@ -66,7 +66,7 @@ def transformer_config(
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        use_cpu_initialization=not has_gpu(),
+        use_cpu_initialization=device().type == "cpu",  # where the model lives (GPU-like under the collective checker)
         variable_seq_lengths=True,
         # Megatron refuses the allgather dispatcher with variable sequence lengths, even for dense.
         moe_token_dispatcher_type="alltoall",
@@ -81,8 +81,10 @@ def build_gpt_model(
     perturbation: PerturbationConfig | None = None,
 ) -> GPTModel:
     """The GPTModel stage owned by this rank (pre/post-process by pipeline position), with ALP
-    perturbation attached when ``perturbation`` is given and enabled. Parallel state must be
-    initialised (see :func:`megatron_alp.parallel.init_distributed`)."""
+    perturbation attached when ``perturbation`` is given and ``enabled`` (a loaded
+    :class:`~megatron_alp.config.Config` has resolved it from the loss; a section built by hand must
+    say ``enabled=True``). Parallel state must be initialised (see
+    :func:`megatron_alp.parallel.init_distributed`)."""
     check_parallel_layout(args, parallel)
     config = transformer_config(args, model_cfg, parallel)
     spec = block_spec(config, resolve_spec(model_cfg.layer_spec), ps.get_pipeline_model_parallel_rank())
@@ -99,10 +101,8 @@ def build_gpt_model(
         rotary_percent=1.0,
         **args.rope,
     )
-    if has_gpu():
-        model.cuda(torch.cuda.current_device())
     if perturbation is not None and perturbation.enabled:
         from megatron_alp.perturbation import attach_perturbation
 
         attach_perturbation(model, perturbation)
-    return model
+    return place_on_device(model)  # after attaching: the ALP sigmas train on the GPU too

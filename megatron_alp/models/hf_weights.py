@@ -6,15 +6,21 @@ as no remaining parameter needs it, so memory stays at the model stage plus one 
 inputs. :func:`iter_hf_weights` is the inverse, used by the HF export and by the rollout engine's
 weight sync: a collective that gathers each tensor across TP, EP and PP in bounded buckets and
 yields HF-named full tensors. Both place weights by :mod:`megatron_alp.models.weight_mapping`.
+:func:`write_hf_folder` writes such a stream as an HF directory, for the export and for the
+rollout engines that reload from disk alike. Megatron-Core is imported inside the functions that
+use it: the rollout engines (and so config validation) import this module.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import tempfile
 from collections import Counter
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,13 +33,9 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-
-
-def unwrap(model) -> torch.nn.Module:
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
+# What an HF model directory holds besides its config and tokenizer files.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
+WEIGHT_INDEXES = (INDEX_FILE, "pytorch_model.bin.index.json")
 
 
 class HFCheckpoint:
@@ -149,7 +151,10 @@ class _Param:
         self.expert = match.rule.is_expert
         self.partition_dim = match.rule.tp_dim
         recorded = partition_dim_of(param) if hasattr(param, "partition_dim") else self.partition_dim
-        if recorded != self.partition_dim:
+        # Experts: with EP > 1 or expert TP > 1 Megatron shards them itself and hides the split from
+        # Transformer Engine, whose layers then stamp a meaningless `partition_dim=0` on every weight;
+        # the rule is the truth there. Everywhere else a disagreement means a wrong mapping.
+        if recorded != self.partition_dim and not self.expert:
             raise ValueError(
                 f"{name}: Megatron splits it over tensor parallelism along dim {recorded}, the weight "
                 f"mapping says {self.partition_dim}"
@@ -245,7 +250,9 @@ def load_hf_weights(model, hf_dir) -> None:
     gate/up), take this rank's TP slice and copy it in. ALP sigmas keep their initial value.
     Raises ValueError naming the tensor on any shape mismatch.
     """
-    model = unwrap(model)
+    from megatron.core.utils import unwrap_model
+
+    model = unwrap_model(model)
     hf_config, mapping, ckpt = open_hf_checkpoint(hf_dir)
     check_model_matches(model, hf_config, str(Path(hf_dir) / "config.json"))
     params = local_params(model, mapping)
@@ -339,8 +346,9 @@ def iter_hf_weights(model, bucket_bytes: int = 512 << 20) -> Iterator[tuple[str,
     are never yielded.
     """
     from megatron.core import parallel_state as ps
+    from megatron.core.utils import unwrap_model
 
-    model = unwrap(model)
+    model = unwrap_model(model)
     plan = getattr(model, "_hf_export_plan", None)
     if plan is None:
         plan = _ExportPlan(model, WeightMapping.from_model(model))
@@ -371,3 +379,116 @@ def iter_hf_weights(model, bucket_bytes: int = 512 << 20) -> Iterator[tuple[str,
             for (m, _, _, shape, _), piece in zip(bucket, torch.split(flat, sizes)):
                 yield from plan.mapping.to_hf(m, piece.view(shape))
             del flat
+
+
+# ----------------------------------------------------------------------------------- writing
+
+_SAFETENSORS_DTYPES = {
+    torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+
+
+def make_tmp_dir(final: Path) -> str:
+    """``<final>.tmp-XXXX`` with the permissions an ordinary ``mkdir`` would give (not 0700)."""
+    tmp = tempfile.mkdtemp(prefix=final.name + ".tmp-", dir=final.parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
+    return tmp
+
+
+def copy_hf_side_files(src, dst) -> None:
+    """Copy the tokenizer, generation config, chat template and any other file of the HF
+    directory ``src`` except weights and ``config.json``: the config is written from the one
+    place it is recorded (a checkpoint's metadata), so a stale copy can never disagree with it."""
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in sorted(Path(src).iterdir()):
+        if f.is_file() and f.name != "config.json" and not f.name.endswith(WEIGHT_SUFFIXES) \
+                and f.name not in WEIGHT_INDEXES:
+            shutil.copy2(f, dst / f.name)
+
+
+def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Write a safetensors file tensor by tensor (``safetensors.torch.save_file`` first copies
+    every tensor into one bytes object, doubling a shard's memory, and refuses views that share
+    a buffer, which the exporter's buckets are)."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for t in tensors.values():
+            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+
+def write_hf_folder(
+    weights: Iterable[tuple[str, torch.Tensor]], out_dir, *, max_shard_bytes: int,
+    add_files: Optional[Callable[[Path], None]] = None,
+) -> Path:
+    """Write ``(HF name, tensor)`` pairs as the HF safetensors folder ``out_dir``; returns it.
+
+    Shards hold at most ``max_shard_bytes`` (a larger tensor gets a shard of its own) and are
+    named as transformers names them, with an index when there are several. A shard's tensors are
+    kept by reference until it is written, so memory stays at one shard; a source must not
+    overwrite a tensor it has yielded. ``add_files(tmp)`` adds the non-weight files (config,
+    tokenizer). Atomic: built in ``<out>.tmp-XXXX`` and renamed, so the folder appears complete
+    under its name or not at all. An existing ``out_dir`` is refused.
+    """
+    out = Path(out_dir).absolute()
+    if out.exists():
+        raise FileExistsError(f"{out}: refusing to overwrite an existing folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(make_tmp_dir(out))
+    shards: list[list[str]] = []
+    pending: dict[str, torch.Tensor] = {}
+    seen: set[str] = set()
+    pending_bytes = total = 0
+
+    def flush() -> None:
+        nonlocal pending, pending_bytes
+        _write_safetensors(tmp / f"part-{len(shards):05d}.safetensors", pending)
+        shards.append(list(pending))
+        pending, pending_bytes = {}, 0
+
+    try:
+        for name, tensor in weights:
+            if name in seen:
+                raise ValueError(f"weight {name} appears twice in the stream")
+            seen.add(name)
+            nbytes = tensor.numel() * tensor.element_size()
+            if pending and pending_bytes + nbytes > max_shard_bytes:
+                flush()
+            pending[name] = tensor.detach().cpu()
+            pending_bytes += nbytes
+            total += nbytes
+        if pending:
+            flush()
+        if not shards:
+            raise ValueError("the weight stream was empty: nothing to write")
+        if len(shards) == 1:
+            os.replace(tmp / "part-00000.safetensors", tmp / SINGLE_FILE)
+        else:
+            weight_map = {}
+            for i, names in enumerate(shards):
+                final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                os.replace(tmp / f"part-{i:05d}.safetensors", tmp / final)
+                weight_map.update(dict.fromkeys(names, final))
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
+        if add_files is not None:
+            add_files(tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -23,21 +23,32 @@ from megatron_alp.models.norm import RMSNorm
 from megatron_alp.platform import has_gpu
 
 
-def te_available() -> bool:
+def te_import_error() -> str | None:
+    """Why Transformer Engine cannot be imported here, or None when it can."""
     try:
         import transformer_engine  # noqa: F401
-    except Exception:
-        return False
-    return True
+    except Exception as err:  # a broken build raises more than ImportError (missing CUDA symbols)
+        return f"{type(err).__name__}: {err}"
+    return None
 
 
 def resolve_spec(choice: str) -> str:
-    """``auto`` -> ``te`` when Transformer Engine and a GPU are present, else ``local``."""
-    if choice == "auto":
-        return "te" if (te_available() and has_gpu()) else "local"
-    if choice == "te" and not te_available():
-        raise RuntimeError("model.layer_spec: te needs transformer-engine, which is not importable here")
-    return choice
+    """``auto``: ``te`` on a GPU, ``local`` on the CPU. A GPU job whose Transformer Engine does not
+    import fails here, loudly: falling back to the local spec would train with unfused attention
+    and norms at a fraction of the speed, which a user should choose, not discover."""
+    if choice == "local" or (choice == "auto" and not has_gpu()):
+        return "local"
+    if not has_gpu():
+        raise RuntimeError("model.layer_spec: te needs an NVIDIA GPU with Transformer Engine; on the CPU use "
+                           "local (or auto)")
+    error = te_import_error()
+    if error is not None:
+        raise RuntimeError(
+            f"model.layer_spec: {choice} needs Transformer Engine on this GPU machine, and importing it failed "
+            f"({error}). Install a transformer-engine matching torch/CUDA, or set model.layer_spec: local to "
+            "run Megatron-Core's unfused modules on purpose."
+        )
+    return "te"
 
 
 def local_layer_spec(config: TransformerConfig) -> ModuleSpec:

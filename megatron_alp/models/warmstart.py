@@ -4,7 +4,10 @@ RL needs a policy that is sometimes right: a random tiny model never produces a 
 ``\\boxed{}`` answer, so every reward is 0 and every GRPO advantage vanishes. A short supervised
 pass gives it a partial skill that RL then improves. Two target formats:
 
-* ``answer``: "<question> -> The answer is \\boxed{<answer>}."
+* ``answer``: "<question> -> The answer is \\boxed{<answer>}." A fraction ``unboxed`` of the
+  prompts (chosen by ``seed``) gets "The answer is <answer>." instead, which the math_verify reward
+  scores 0: the warm-started model then forgets the box about as often on any problem, held-out
+  ones included, and RL has something to learn that transfers whatever the model's skill.
 * ``tir``: one multi-turn episode in the exact token layout of
   :func:`megatron_alp.tir.multi_turn.run_episodes`: a ```python block that prints the problem's
   value, ending on the stop string ``CODE_STOP`` as a sampled code turn does; the interpreter
@@ -33,8 +36,8 @@ _EXPRESSION = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?:\s*[-+*/]\s*\d+(?:\.\d+)?)+
 _BINARY = re.compile(r"(\d+)\s*([-+*])\s*(\d+)")
 
 
-def answer_text(ground_truth: str) -> str:
-    return f"The answer is \\boxed{{{ground_truth}}}."
+def answer_text(ground_truth: str, boxed: bool = True) -> str:
+    return f"The answer is \\boxed{{{ground_truth}}}." if boxed else f"The answer is {ground_truth}."
 
 
 def tir_code(question: str, ground_truth: str) -> tuple[str, str]:
@@ -52,10 +55,10 @@ def tir_code(question: str, ground_truth: str) -> tuple[str, str]:
 
 
 def target_ids(fmt: str, tokenizer, question: str, ground_truth: str,
-               tool_format: str = "inline") -> tuple[list[int], list[int]]:
+               tool_format: str = "inline", boxed: bool = True) -> tuple[list[int], list[int]]:
     """Response token ids of one warm-start example and their loss mask (0 on interpreter feedback)."""
     eos = tokenizer.eos_token_id
-    answer = list(tokenizer.encode(answer_text(ground_truth), add_special_tokens=False)) + [eos]
+    answer = list(tokenizer.encode(answer_text(ground_truth, boxed), add_special_tokens=False)) + [eos]
     if fmt == "answer":
         return answer, [1] * len(answer)
     if fmt != "tir":
@@ -70,15 +73,20 @@ def target_ids(fmt: str, tokenizer, question: str, ground_truth: str,
     return ids, [1] * len(model) + [0] * len(feedback) + [1] * len(answer)
 
 
-def warmup_examples(prompts: Iterable, tokenizer, fmt: str, tool_format: str = "inline"
-                    ) -> list[tuple[list[int], list[int], list[int]]]:
+def warmup_examples(prompts: Iterable, tokenizer, fmt: str, tool_format: str = "inline", *,
+                    unboxed: float = 0.0, seed: int = 0) -> list[tuple[list[int], list[int], list[int]]]:
     """(prompt ids, target ids, target mask) of each :class:`~megatron_alp.data.Prompt`; the
-    question is its last user message."""
+    question is its last user message. A fraction ``unboxed`` of the ``answer`` targets, drawn with
+    ``seed``, leaves out the box (see the module docstring)."""
+    if unboxed and fmt != "answer":
+        raise ValueError(f"unboxed warm-start answers are for the answer format, not {fmt!r}")
+    rng = random.Random(seed)
     examples = []
     for p in prompts:
         question = next((m["content"] for m in reversed(p.messages) if m["role"] == "user"), "")
+        boxed = rng.random() >= unboxed
         try:
-            ids, mask = target_ids(fmt, tokenizer, question, p.ground_truth, tool_format)
+            ids, mask = target_ids(fmt, tokenizer, question, p.ground_truth, tool_format, boxed)
         except ValueError as err:
             raise ValueError(f"trainer.sft_warmup_format={fmt}: prompt {p.source}: {err}") from None
         examples.append((list(p.prompt_ids), ids, mask))

@@ -1,15 +1,17 @@
 """`math_verify` reward: 1.0 when the final ``\\boxed{}`` answer equals the ground truth.
 
-The answer is the content of the LAST ``\\boxed{...}`` (or ``\\fbox{...}``) in the response,
-nested braces included; a response without one scores 0. Answer and ground truth are parsed and
-compared by the math-verify package (so ``\\frac{1}{2}``, ``0.5`` and ``1/2`` agree). Parsing and
-comparison run in worker processes with a per-sample limit of ``reward.timeout_s`` seconds: an
-answer like a huge exponent tower scores 0 when it runs out of time, and its worker is replaced.
+The answer is the content of the LAST ``\\boxed{...}`` (or ``\\fbox{...}``, or ``\\boxed 5``) in the
+response (:func:`extract_boxed`, also the answer parser of ``megatron-alp eval``); a response
+without one scores 0. Answer and ground truth are parsed and compared by the math-verify package
+(so ``\\frac{1}{2}``, ``0.5`` and ``1/2`` agree). Parsing and comparison run in worker processes
+with a per-sample limit of ``reward.timeout_s`` seconds: an answer like a huge exponent tower
+scores 0 when it runs out of time, and its worker is replaced.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 from typing import TYPE_CHECKING, Optional
 
 from megatron_alp.rewards import RewardFn, check_batch, register_reward
@@ -18,27 +20,31 @@ from megatron_alp.rewards.worker_pool import ScoringPool
 if TYPE_CHECKING:
     from megatron_alp.config import RewardConfig
 
-_BOX_COMMANDS = ("\\boxed", "\\fbox")
+# \boxed or \fbox as a whole control word (not the start of a longer one such as \boxedtext)
+_BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 
 
 def extract_boxed(text: str) -> Optional[str]:
-    """Content of the last ``\\boxed{...}``/``\\fbox{...}`` (also ``\\boxed 5``) in ``text``;
-    None when there is none, it is empty, or its braces never close."""
+    """Content of the last ``\\boxed{...}``/``\\fbox{...}`` in ``text``: nested braces balanced,
+    escaped ones (``\\{``, ``\\}``) kept as content. An unbraced argument (``\\boxed 5``) is the
+    next word, up to a ``$``, without a trailing full stop or comma. None when there is none, it is
+    empty, or its braces never close (a truncated last answer does not fall back to an earlier one)."""
     if not isinstance(text, str):
         return None
-    start, command = max((text.rfind(c), c) for c in _BOX_COMMANDS)
-    if start < 0:
+    last = None
+    for last in _BOX.finditer(text):
+        pass
+    if last is None:
         return None
-    i = start + len(command)
-    while text.startswith(" ", i):
+    i = last.end()
+    while i < len(text) and text[i].isspace():
         i += 1
-    if not text.startswith("{", i):  # "\boxed 5" form: the next word
-        token = text[i:].split("$", 1)[0].split() if i > start + len(command) else []
-        return token[0] if token else None
+    if not text.startswith("{", i):
+        return re.match(r"[^\s$]*", text[i:]).group(0).rstrip(".,;") or None
     depth, j = 0, i
     while j < len(text):
         ch = text[j]
-        if ch == "\\":
+        if ch == "\\":  # an escaped character, e.g. \{ or \}, is content
             j += 2
             continue
         if ch == "{":
@@ -46,8 +52,7 @@ def extract_boxed(text: str) -> Optional[str]:
         elif ch == "}":
             depth -= 1
             if depth == 0:
-                content = text[i + 1:j].strip()
-                return content or None
+                return text[i + 1:j].strip() or None
         j += 1
     return None
 

@@ -8,6 +8,8 @@ from typing import Callable, ClassVar, Iterable, Optional
 
 import torch
 
+from megatron_alp.config import RolloutConfig
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -179,8 +181,13 @@ class RolloutEngine(abc.ABC):
     def max_model_len(self) -> int:
         raise NotImplementedError
 
+    @classmethod
+    def check_config(cls, cfg: RolloutConfig) -> None:
+        """Refuse settings this engine cannot honour (``ValueError`` naming the keys). Runs when a
+        config is validated, possibly on another machine than the job's: no hardware checks here."""
 
-ENGINES: dict[str, Callable[..., RolloutEngine]] = {}
+
+ENGINES: dict[str, type[RolloutEngine]] = {}
 
 
 def register_engine(name: str):
@@ -192,3 +199,28 @@ def register_engine(name: str):
         return cls
 
     return deco
+
+
+def get_engine(name: str) -> type[RolloutEngine]:
+    """The engine class registered as ``name``; importing the package registers the shipped ones."""
+    import megatron_alp.rollout  # noqa: F401  (registers vllm and sglang)
+
+    if name not in ENGINES:
+        raise ValueError(f"unknown rollout engine {name!r}; registered engines: {sorted(ENGINES)}")
+    return ENGINES[name]
+
+
+def resolve_max_model_len(cfg: RolloutConfig, hf_config: dict) -> int:
+    """``rollout.max_model_len``, or prompt + response budget capped at the model's positions."""
+    if cfg.max_model_len is not None:
+        return cfg.max_model_len
+    budget = cfg.sampling.max_prompt_length + cfg.sampling.max_response_length
+    return min(budget, int(hf_config.get("max_position_embeddings", budget)))
+
+
+def attempt_timeout(cfg: RolloutConfig, samples: int, max_tokens: int) -> float:
+    """Seconds one generate attempt of ``samples`` samples of up to ``max_tokens`` tokens may take:
+    ``request_timeout_s`` plus the batch's worst-case tokens at ``min_tokens_per_s``, so a 16K-token
+    batch of thousands of samples is not aborted while it is still making progress."""
+    return cfg.request_timeout_s + samples * max_tokens / cfg.min_tokens_per_s
+

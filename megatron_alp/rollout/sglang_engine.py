@@ -11,7 +11,12 @@ quoted in every startup or crash error.
   ``vllm`` engine for filtered sampling), and ``SGLANG_RETURN_ORIGINAL_LOGPROB`` (pre-temperature
   logprobs) is removed from the server's environment.
 - Weight sync: the stream is written as a safetensors folder in ``rollout.sync_dir`` and loaded
-  with ``POST /update_weights_from_disk``; the loader applies the server's FP8 quantization again.
+  with ``POST /update_weights_from_disk``.
+- No FP8 (refused when the config is validated): SGLang 0.5's online FP8 replaces each weight by a
+  parameter without a weight loader, so ``/update_weights_from_disk`` fails at the first sync (only
+  its ``flash_rl`` load format reloads FP8, and only for Qwen2/Qwen3). FP8 rollouts use ``vllm``.
+- The server runs under ``rollout.sglang_python`` (default ``$MEGATRON_ALP_SGLANG_PYTHON``, set by
+  the Docker image, whose SGLang lives in an environment of its own; else this interpreter).
 - Failures: a request that times out is aborted and retried; if the server process has exited
   it is restarted from the last synced folder (no weights are lost) and the request retried, up
   to ``max_retries``; then :class:`RolloutError`.
@@ -21,7 +26,6 @@ quoted in every startup or crash error.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -49,9 +53,10 @@ from megatron_alp.rollout.base import (
     check_sampling,
     collect_samples,
     register_engine,
+    attempt_timeout,
+    resolve_max_model_len,
 )
 from megatron_alp.rollout.quantization import check_model_not_prequantized, sglang_quantization_args
-from megatron_alp.rollout.vllm_engine import resolve_max_model_len
 from megatron_alp.rollout.weight_sync import WeightStream, default_sync_root, is_finite, write_hf_checkpoint
 
 
@@ -69,11 +74,30 @@ def check_sglang_sampling(params: SamplingParams) -> None:
                            "rollout.sampling.per_sample_seeds=false or use rollout.engine=vllm")
 
 
+def sglang_python(cfg: RolloutConfig) -> str:
+    """The interpreter that runs the server: ``rollout.sglang_python``, $MEGATRON_ALP_SGLANG_PYTHON,
+    or this one."""
+    return cfg.sglang_python or os.environ.get("MEGATRON_ALP_SGLANG_PYTHON") or sys.executable
+
+
+def check_sglang_installed(python: str) -> None:
+    """SGLang must import in the server's interpreter (not necessarily the trainer's)."""
+    try:
+        found = subprocess.run([python, "-c", "import importlib.util as u, sys; sys.exit(u.find_spec('sglang') is None)"],
+                               capture_output=True, timeout=120).returncode == 0
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise RolloutError(f"rollout.sglang_python={python!r} cannot be run: {err}") from None
+    if not found:
+        raise RolloutError(f"rollout.engine=sglang: the sglang package is not installed for {python} "
+                           "(pip install sglang there, or point rollout.sglang_python / "
+                           "MEGATRON_ALP_SGLANG_PYTHON at the interpreter that has it)")
+
+
 def server_command(cfg: RolloutConfig, model_path: str, tokenizer_path: str, max_model_len: int,
                    seed: int) -> list[str]:
     """The ``sglang.launch_server`` command line for this configuration."""
     cmd = [
-        sys.executable, "-m", "sglang.launch_server",
+        sglang_python(cfg), "-m", "sglang.launch_server",
         "--model-path", model_path, "--tokenizer-path", tokenizer_path,
         "--host", "127.0.0.1", "--port", str(cfg.sglang_port),
         "--dtype", cfg.dtype, "--tp-size", str(cfg.tensor_parallel_size),
@@ -89,14 +113,22 @@ def server_command(cfg: RolloutConfig, model_path: str, tokenizer_path: str, max
 
 @register_engine("sglang")
 class SGLangEngine(RolloutEngine):
+    @classmethod
+    def check_config(cls, cfg: RolloutConfig) -> None:
+        if cfg.quantization != "none":
+            raise ValueError(
+                f"rollout.engine=sglang with rollout.quantization={cfg.quantization}: SGLang's online FP8 "
+                "cannot take weight updates (its FP8 parameters have no weight loader, so the first "
+                "/update_weights_from_disk fails); use rollout.engine=vllm for FP8 rollouts"
+            )
+
     def __init__(self, cfg: RolloutConfig, model_dir: str, seed: int = 0):
         if not has_gpu():
             raise RolloutError(
                 "rollout.engine=sglang needs an NVIDIA GPU: SGLang has no CPU build (on the CPU use "
                 "rollout.engine=vllm)"
             )
-        if importlib.util.find_spec("sglang") is None:
-            raise RolloutError("rollout.engine=sglang: the sglang package is not installed (pip install sglang)")
+        check_sglang_installed(sglang_python(cfg))
         self.cfg = cfg
         self.model_dir = Path(model_dir)
         self.seed = seed
@@ -242,8 +274,9 @@ class SGLangEngine(RolloutEngine):
             rids = [uuid.uuid4().hex for _ in pending]
             body = {"input_ids": [list(prompts[i]) for i, _ in pending], "sampling_params": [sampling] * len(pending),
                     "return_logprob": True, "rid": rids}
+            limit = attempt_timeout(self.cfg, len(pending), params.max_tokens)
             try:
-                reply = self._post("/generate", body, timeout=self.cfg.request_timeout_s)
+                reply = self._post("/generate", body, timeout=limit)
             except urllib.error.HTTPError as err:
                 raise RolloutError(f"SGLang rejected the request (HTTP {err.code}): "
                                    f"{err.read().decode(errors='replace')[:2000]}") from err
@@ -256,7 +289,7 @@ class SGLangEngine(RolloutEngine):
                         self._post("/abort_request", {"rid": rid}, timeout=30)
                     except (urllib.error.URLError, OSError):
                         pass
-                notes.append(f"no answer within {self.cfg.request_timeout_s:g} s ({err})")
+                notes.append(f"no answer within {limit:g} s ({err})")
                 return {}, "; ".join(notes)
             items = reply if isinstance(reply, list) else [reply]
             if len(items) != len(pending):

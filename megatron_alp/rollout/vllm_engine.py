@@ -50,6 +50,8 @@ from megatron_alp.rollout.base import (
     check_sampling,
     collect_samples,
     register_engine,
+    attempt_timeout,
+    resolve_max_model_len,
 )
 from megatron_alp.rollout.quantization import check_model_not_prequantized, vllm_quantization_args
 from megatron_alp.rollout.weight_sync import WeightStream, default_sync_root, is_finite, write_hf_checkpoint
@@ -71,14 +73,6 @@ class WorkerExtension:
 
 
 enable_cpu_amx()
-
-
-def resolve_max_model_len(cfg: RolloutConfig, hf_config: dict) -> int:
-    """``rollout.max_model_len``, or prompt + response budget capped at the model's positions."""
-    if cfg.max_model_len is not None:
-        return cfg.max_model_len
-    budget = cfg.sampling.max_prompt_length + cfg.sampling.max_response_length
-    return min(budget, int(hf_config.get("max_position_embeddings", budget)))
 
 
 def with_tied_head(weights: Iterable[tuple[str, torch.Tensor]]):
@@ -360,7 +354,8 @@ class VLLMEngine(RolloutEngine):
         ids = {f"b{self._batches}-p{i}-s{j}": (i, j) for i, j in keys}
         got: dict[tuple[int, int], Completion] = {}
         aborted = 0
-        deadline = time.monotonic() + self.cfg.request_timeout_s
+        limit = attempt_timeout(self.cfg, len(ids), params.max_tokens)
+        deadline = time.monotonic() + limit
         try:
             from vllm.exceptions import VLLMClientError
 
@@ -378,7 +373,7 @@ class VLLMEngine(RolloutEngine):
                     engine.abort_request(unfinished)
                     while engine.has_unfinished_requests():
                         engine.step()
-                    return got, (f"timed out after {self.cfg.request_timeout_s:g} s with "
+                    return got, (f"timed out after {limit:g} s with "
                                  f"{len(unfinished)} of {len(ids)} samples unfinished")
                 for out in engine.step():
                     if out.finished and out.request_id in ids:

@@ -7,16 +7,16 @@ This module adapts that stream for the engines:
 - :class:`WeightStream` drops ALP sigmas (Megatron-only state; the exporter already skips them,
   this is the engine's own guard), counts tensors and bytes, and can be drained, so every rank of
   the collective reaches its end even when the engine stopped consuming early (an error).
-- :func:`write_hf_checkpoint` turns a stream into a safetensors folder, sharded at the bucket
-  size so memory stays bounded, written to a temporary name and renamed: engines in another
-  process (vLLM's engine-core subprocess, the SGLang server) reload from it.
+- :func:`write_hf_checkpoint` turns a stream into a safetensors folder (the HF export's writer,
+  :func:`megatron_alp.models.hf_weights.write_hf_folder`), sharded at the bucket size so memory
+  stays bounded, appearing only when complete: engines in another process (vLLM's engine-core
+  subprocess, the SGLang server) reload from it.
 - :func:`mismatch_stats` compares engine and trainer logprobs of the same tokens: max and P98 of
   |log ratio| and the k3 estimate of KL(rollout || train), the quantities the paper tracks.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -25,7 +25,7 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from megatron_alp.models.hf_weights import INDEX_FILE
+from megatron_alp.models.hf_weights import write_hf_folder
 from megatron_alp.models.weight_mapping import is_sigma
 
 # Copied next to the weights so the folder is a loadable model directory (engine restarts).
@@ -64,53 +64,15 @@ def write_hf_checkpoint(
     weights: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path, *, bucket_bytes: int, config_dir: str | Path
 ) -> Path:
     """Write ``weights`` as an HF safetensors folder at ``out_dir`` (shards of about
-    ``bucket_bytes`` plus an index), with the config files of ``config_dir``. Atomic: the folder
-    appears complete under its name or not at all. Returns ``out_dir``."""
-    from safetensors.torch import save_file
+    ``bucket_bytes``), with the config files of ``config_dir``. Atomic: the folder appears
+    complete under its name or not at all. Returns ``out_dir``."""
 
-    out = Path(out_dir)
-    if out.exists():
-        raise FileExistsError(f"{out}: refusing to overwrite an existing weights folder")
-    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    weight_map: dict[str, str] = {}
-    shard: dict[str, torch.Tensor] = {}
-    size = total = 0
-
-    def flush():
-        nonlocal shard, size
-        if shard:
-            name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
-            save_file(shard, str(tmp / name), metadata={"format": "pt"})
-            weight_map.update({k: name for k in shard})
-            shard, size = {}, 0
-
-    try:
-        for name, tensor in weights:
-            if name in shard or name in weight_map:
-                raise ValueError(f"weight {name} appears twice in the stream")
-            # A copy: the stream's tensors may be views of one bucket (safetensors refuses shared storage).
-            t = tensor.detach().to("cpu", copy=True).contiguous()
-            nbytes = t.numel() * t.element_size()
-            if shard and size + nbytes > bucket_bytes:
-                flush()
-            shard[name] = t
-            size += nbytes
-            total += nbytes
-        flush()
-        if not weight_map:
-            raise ValueError("the weight stream was empty: nothing to write")
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=1))
+    def add_config(tmp: Path) -> None:
         for cfg in _CONFIG_FILES:
             if (Path(config_dir) / cfg).is_file():
                 shutil.copyfile(Path(config_dir) / cfg, tmp / cfg)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+
+    return write_hf_folder(weights, out_dir, max_shard_bytes=bucket_bytes, add_files=add_config)
 
 
 def default_sync_root(configured: str | None) -> Path:

@@ -48,6 +48,7 @@ CODE_STOP = "```\n"
 
 _CODE_BLOCK = re.compile(r"```(?:python3?|py)[ \t]*\n(.*?)```", re.DOTALL)
 _SENTINEL = "\u2063TIR-ASSISTANT-TURN\u2063"
+_TOOL_CONTENT = "\u2063TIR-TOOL-CONTENT\u2063"
 
 
 def find_code(turn_text: str) -> Optional[str]:
@@ -67,14 +68,21 @@ def format_output(text: str) -> str:
 
 
 class FeedbackFormatter:
-    """Token ids of interpreter feedback, appended right after a model turn."""
+    """Token ids of interpreter feedback, appended right after a model turn.
+
+    The interpreter's output (which may echo the model's code, e.g. in a traceback) is inserted as
+    text: wherever it contains the string of one of the tokenizer's added tokens (``<|im_end|>``,
+    ``<|im_start|>``, ...), that string is tokenized in two halves, so printed text can never end
+    the turn or forge chat structure. Only the chat template's own markup becomes control tokens."""
 
     def __init__(self, tokenizer, tool_format: str):
         self.tokenizer = tokenizer
         self.tool_format = tool_format
         self.eos_text = tokenizer.eos_token or ""
+        added = sorted((t for t in tokenizer.get_added_vocab() if len(t) > 1), key=len, reverse=True)
+        self._added = re.compile("|".join(map(re.escape, added))) if added else None
         if tool_format == "chat":
-            self._check_template()
+            self._chat_prefix, self._chat_suffix = self._template_parts()
         elif tool_format != "inline":
             raise ValueError(f"tir.tool_format={tool_format!r}: expected 'inline' or 'chat'")
 
@@ -86,27 +94,42 @@ class FeedbackFormatter:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return text[text.index(_SENTINEL) + len(_SENTINEL):]
 
-    def _check_template(self) -> None:
+    def _template_parts(self) -> tuple[str, str]:
+        """The tool turn's markup before and after the tool message's content."""
         try:
-            suffix = self._tool_turn("PROBE-OUTPUT")
+            turn = self._tool_turn(_TOOL_CONTENT)
         except Exception as err:
             raise ValueError(
                 f"tir.tool_format=chat: the tokenizer's chat template cannot render a `tool` message ({err}); "
                 "use tool_format: inline"
             ) from None
-        if "PROBE-OUTPUT" not in suffix:
-            raise ValueError("tir.tool_format=chat: the chat template drops `tool` message content; "
-                             "use tool_format: inline")
+        if turn.count(_TOOL_CONTENT) != 1:
+            raise ValueError("tir.tool_format=chat: the chat template does not keep `tool` message content as "
+                             "it is; use tool_format: inline")
+        prefix, suffix = turn.split(_TOOL_CONTENT)
+        return prefix, suffix
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of ``text`` read as plain text: no added token comes out of it."""
+        ids, pos = [], 0
+        for m in self._added.finditer(text) if self._added is not None else ():
+            half = len(m.group()) // 2
+            ids += self._encode(text[pos:m.start()]) + self.encode_text(m.group()[:half])
+            ids += self.encode_text(m.group()[half:])
+            pos = m.end()
+        return ids + self._encode(text[pos:])
 
     def __call__(self, output: str, turn_text: str, ended_with_eos: bool) -> list[int]:
         block = format_output(output)
         if self.tool_format == "inline":
-            text = ("" if turn_text.endswith("\n") else "\n") + block
-        else:
-            text = self._tool_turn(block.rstrip("\n"))
-            if ended_with_eos and self.eos_text and text.startswith(self.eos_text):
-                text = text[len(self.eos_text):]
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+            return self.encode_text(("" if turn_text.endswith("\n") else "\n") + block)
+        prefix = self._chat_prefix
+        if ended_with_eos and self.eos_text and prefix.startswith(self.eos_text):
+            prefix = prefix[len(self.eos_text):]
+        return self._encode(prefix) + self.encode_text(block.rstrip("\n")) + self._encode(self._chat_suffix)
 
 
 @dataclass

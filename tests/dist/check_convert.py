@@ -82,7 +82,7 @@ for family in families:
     # Save at TP=2 (with ALP sigmas on layers 1 and 3, distinct values), load at PP=2: sigma i stays on
     # layer i, weights stay bit-exact; a model without perturbation loads the same checkpoint.
     ckpt = work / f"{family}_ckpt"
-    pert = PerturbationConfig(layers="1,3", init_std=1e-3)
+    pert = PerturbationConfig(enabled=True, layers="1,3", init_std=1e-3)
     par = reinit(2, 1, sp=(family == "qwen3_moe"))
     model = build(hf_dir, par, pert)
     load_hf_weights(model, hf_dir)
@@ -91,7 +91,7 @@ for family in families:
             site.log_sigma.fill_(-1.0 - site.layer)
     save_checkpoint(ckpt, model, extra={"iteration": 3}, hf_config=load_hf_config(hf_dir))
     par = reinit(1, 2)
-    model = build(hf_dir, par, PerturbationConfig(layers="1,3", init_std=0.5))
+    model = build(hf_dir, par, PerturbationConfig(enabled=True, layers="1,3", init_std=0.5))
     extra = load_checkpoint(ckpt, model)
     assert extra == {"iteration": 3}, extra
     sites = controller_of(model).sites

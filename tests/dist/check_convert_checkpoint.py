@@ -1,6 +1,8 @@
 """Distributed checkpoint with Megatron's optimizer: save after training steps, load into fresh
 objects (same layout, and for the plain optimizer also another layout), then the next step is
 identical to the uninterrupted run. Also: a save that fails before commit leaves nothing behind.
+Checkpoints are saved as the trainer saves them (with its HF model directory); the fp32 one's
+logits on a fixed batch go to WORK_DIR/export_reference.pt for the test of its HF export.
 
 Usage: torchrun --nproc_per_node 2 check_convert_checkpoint.py WORK_DIR RESULT.json
 """
@@ -12,18 +14,25 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import tensor_parallel
+from megatron.core.utils import unwrap_model
 
-from common import build, rank, reinit, tokens
+from common import build, pipeline_logits, rank, reinit, tokens
 from megatron_alp.config import OptimizerConfig, PerturbationConfig
 from megatron_alp.dist_checkpoint import latest_checkpoint, load_checkpoint, read_metadata, save_checkpoint
 from megatron_alp.models.hf_weights import iter_hf_weights
-from megatron_alp.optim import build_optimizer, unwrap, wrap_for_training
+from megatron_alp.models.tiny import make_tiny_model
+from megatron_alp.optim import build_optimizer, wrap_for_training
 from megatron_alp.perturbation import next_microbatch, perturbed_step
 
 work, result_path = Path(sys.argv[1]), sys.argv[2]
-PERT = PerturbationConfig(layers="0,2", init_std=1e-2, lr=5e-2)
+PERT = PerturbationConfig(enabled=True, layers="0,2", init_std=1e-2, lr=5e-2)
 OPT = OptimizerConfig(lr=1e-3, min_lr=1e-4, lr_decay_style="cosine", weight_decay=0.1)
 results = {}
+base = work / "base_model"  # the trainer's HF model directory: config and tokenizer of the model trained
+reinit()
+if rank() == 0:
+    make_tiny_model("qwen2", base, seed=5)
+dist.barrier()
 
 
 def make(tp: int, pp: int, dist_opt: bool, dtype: str):
@@ -52,7 +61,7 @@ def train_step(model, opt, sched, step: int, perturb: bool = True) -> None:
 
 
 def params(model) -> dict:
-    return {n: p.detach().clone() for n, p in unwrap(model).named_parameters()}
+    return {n: p.detach().clone() for n, p in unwrap_model(model).named_parameters()}
 
 
 def same(a: dict, b: dict, what: str) -> None:
@@ -67,7 +76,14 @@ for dist_opt, dtype in [(False, "float32"), (True, "bfloat16")]:
     model, opt, sched = make(1, 1, dist_opt, dtype)
     for step in range(2):
         train_step(model, opt, sched, step)
-    save_checkpoint(ckpt, model, optimizer=opt, opt_param_scheduler=sched, extra={"iteration": 2, "step": 2})
+    save_checkpoint(ckpt, model, optimizer=opt, opt_param_scheduler=sched, extra={"iteration": 2, "step": 2},
+                    hf_dir=base)
+    if dtype == "float32":
+        batch = tokens(b=2, s=12, seed=7)
+        with torch.no_grad():
+            logits = pipeline_logits(unwrap_model(model), batch)
+        if rank() == 0:
+            torch.save({"tokens": batch, "logits": logits}, work / "export_reference.pt")
     train_step(model, opt, sched, 2)
     expected = params(model)
 

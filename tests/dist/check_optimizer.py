@@ -16,7 +16,7 @@ from megatron_alp.optim import build_optimizer, learning_rates, wrap_for_trainin
 from megatron_alp.perturbation import next_microbatch, perturbed_step, sigma_parameters
 
 par = reinit(1, 1)
-pert = PerturbationConfig(init_std=1e-2, lr=5e-2, lr_schedule="constant")
+pert = PerturbationConfig(enabled=True, init_std=1e-2, lr=5e-2, lr_schedule="constant")
 opt_cfg = OptimizerConfig(lr=1e-3, min_lr=1e-5, lr_decay_style="cosine", weight_decay=0.1)
 model = wrap_for_training(build("qwen2", par, pert, dtype="bfloat16"), par)
 optimizer, scheduler = build_optimizer(model, opt_cfg, pert, par, total_steps=4)

@@ -23,7 +23,7 @@ R = {}
 
 
 def pert(**kw) -> PerturbationConfig:
-    return PerturbationConfig(**{"init_std": 0.05, **kw})
+    return PerturbationConfig(**{"enabled": True, "init_std": 0.05, **kw})
 
 
 def train_step(model, batch, step=0, micro_batches=1, perturb=True):

@@ -20,11 +20,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from common import build, full_state, load_full_state, rank, reinit, tokens
-from megatron_alp.config import LOSS_NAMES, LossConfig
+from megatron_alp.config import LossConfig
 from megatron_alp.logprobs import reference_token_logprobs, token_logprobs
 from megatron_alp.metrics import StepMetrics
 from megatron_alp.models.sharding import gather_tp, partition_dim_of
-from megatron_alp.policy_loss import LossInputs, policy_loss
+from megatron_alp.policy_loss import POLICY_LOSSES, LossInputs, policy_loss
 
 result_path = sys.argv[1]
 R = {}
@@ -36,9 +36,7 @@ def max_diff(a, b) -> float:
 
 
 def loss_cfg(name: str) -> LossConfig:
-    seq = name in ("alp_seq", "seq_bypass", "seq_mis", "gspo")
-    return LossConfig(name=name, clip_low=0.5 if seq else 0.2, clip_high=3.0 if seq else 0.28, kl_coef=0.01,
-                      entropy_coef=0.01)
+    return LossConfig(name=name, kl_coef=0.01, entropy_coef=0.01)  # each loss's default clip range
 
 
 def side_inputs(lp_like: torch.Tensor, seed: int) -> dict:
@@ -97,7 +95,7 @@ worst = {"logprobs": 0.0, "entropy": 0.0, "loss": 0.0, "grad": 0.0, "grad_vs_ref
 for temperature in (1.0, 0.7):
     lp_ref, _ = reference_token_logprobs(full, targets, temperature)
     side = side_inputs(lp_ref, seed=1)
-    for name in LOSS_NAMES:
+    for name in POLICY_LOSSES:
         cfg = loss_cfg(name)
         shard = full[..., lo:hi].clone().requires_grad_()
         lp2, ent2, loss2 = run_loss(cfg, shard, targets, side, temperature, group)

@@ -22,7 +22,7 @@ from megatron_alp.config import ModelConfig, RolloutConfig, SamplingConfig
 from megatron_alp.models.builder import build_gpt_model
 from megatron_alp.models.families import hf_to_megatron, load_hf_config
 from megatron_alp.models.hf_weights import load_hf_weights
-from megatron_alp.policy_update import compute_logprobs
+from megatron_alp.policy_update import compute_logprobs, probe_mismatch
 from megatron_alp.rl_batch import build_rl_batch
 from megatron_alp.rollout import DistributedRollout, RolloutError, SamplingParams, Trajectory
 from megatron_alp.rollout.quantization import cpu_has_fp8_kv_kernels
@@ -82,7 +82,7 @@ def mismatch(model_dir, new_dir, results):
     }
     stats = {}
     for name, cfg in engines.items():
-        rollout = DistributedRollout(cfg, str(model_dir), seed=0)
+        rollout = DistributedRollout(cfg, str(model_dir), seed=0, scorer=probe_mismatch)
         engine_lp, megatron_lp, _ = trainer_vs_engine(rollout, model, n=4, max_tokens=16)
         stats[name] = mismatch_stats(engine_lp, megatron_lp)
         print(format_mismatch(f"engine {name} vs Megatron fp32", stats[name]), flush=True)
@@ -128,7 +128,7 @@ def sync(model_dir, new_dir, results):
     from megatron.core import parallel_state as ps
 
     reinit(2, 1)
-    rollout = DistributedRollout(engine_cfg(verify_sync=True), str(model_dir), seed=0)
+    rollout = DistributedRollout(engine_cfg(verify_sync=True), str(model_dir), seed=0, scorer=probe_mismatch)
     if dist.get_rank() == 0:
         assert rollout.engine.engine_pids(), "under torchrun the engine runs in a subprocess"
     for tp, pp in ((2, 1), (1, 2)):

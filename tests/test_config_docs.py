@@ -1,0 +1,24 @@
+"""docs/configuration.md is generated from the config classes and the loss registry, and is current."""
+
+from pathlib import Path
+
+from megatron_alp.cli import main as cli_main
+from megatron_alp.config_docs import config_docs
+from megatron_alp.policy_loss import POLICY_LOSSES
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_configuration_docs_up_to_date(tmp_path):
+    """docs/configuration.md is generated; regenerate with `megatron-alp config-docs --out docs/configuration.md`."""
+    out = tmp_path / "configuration.md"
+    assert cli_main(["config-docs", "--out", str(out)]) == 0
+    assert out.read_text() == config_docs()
+    assert (ROOT / "docs" / "configuration.md").read_text() == config_docs(), (
+        "docs/configuration.md is stale: run `megatron-alp config-docs --out docs/configuration.md`")
+
+
+def test_docs_list_every_registered_loss():
+    text = config_docs()
+    for name, spec in POLICY_LOSSES.items():
+        assert f"| `{name}` | {spec.paper} |" in text, name

@@ -1,0 +1,235 @@
+"""`megatron-alp plan`: per-GPU memory of each phase against sizes computed by hand here, from the
+published architectures (parameter formulas written out, bytes per parameter), the shipped configs
+fitting their stated hardware, and refusals that name the keys to change."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from test_configs import MODELS
+
+from megatron_alp.cli import main
+from megatron_alp.config import ConfigError, config_from_dict, load_config
+from megatron_alp.plan import PUBLISHED, check_fits, default_gpus, memory_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.yaml") if not p.name.startswith("quickstart"))
+GiB = 2**30
+H100 = 80.0
+
+
+def config(name: str, *overrides: str):
+    return load_config(ROOT / "configs" / name, list(overrides))
+
+
+def items(phase) -> dict[str, int]:
+    return {i.key: i.nbytes for i in phase.items}
+
+
+def test_qwen25_math_15b_on_one_node_by_hand():
+    """Dense, tied embeddings, q/k/v biases, TP1 x DP8, no recomputation, micro-batch 4 x 4096."""
+    h, heads, kv_heads, d, ffn, layers, vocab = 1536, 12, 2, 128, 8960, 28, 151936
+    q, kv = heads * d, kv_heads * d
+    layer = h * (q + 2 * kv) + (q + 2 * kv) + q * h + 3 * h * ffn + 2 * h  # qkv + bias, o, gate/up/down, 2 norms
+    params = layers * layer + vocab * h + h  # one (tied) embedding, final norm
+    assert params == 1_543_714_304  # the published count of Qwen2.5-(Math-)1.5B
+
+    plan = memory_plan(config("qwen2.5-math-1.5b_token_alp.yaml"), gpus=8, gpu_mem_gib=H100)
+    train = items(plan.phase("training"))
+    tokens = 4 * (2048 + 2048)
+    per_token_layer = 2 * (4 * h) + 2 * (2 * q + 2 * kv) + 2 * (3 * ffn)  # norm/linear inputs, Q K V + attn out, SwiGLU
+    assert train == {
+        "weights": params * 2, "reference": params * 2, "grads": params * 4,
+        "optimizer": 12 * -(-params // 8),  # fp32 master + Adam m, v over DP8
+        "activations": layers * tokens * per_token_layer,
+        "logits": tokens * vocab * (2 + 2),  # bf16 logits (no fp32 upcast) and their bf16 gradient
+        "logprob_chunks": 2 * 2**26 * 4,  # two fp32 chunks alive at once: shifted logits, exp
+        "runtime": 3 * GiB, "engine": 1 * GiB,
+    }
+    assert per_token_layer == 73216 and plan.phase("training").total == pytest.approx(58.71 * GiB, abs=0.01 * GiB)
+
+    roll = items(plan.phase("rollout"))
+    engine_weights = params * 2
+    assert roll == {"weights": 0, "reference": 0, "grads": 0, "optimizer": 0, "runtime": 3 * GiB,
+                    "engine_weights": engine_weights, "engine_workspace": 3 * GiB,
+                    "kv_cache": int(0.5 * 80 * GiB) - engine_weights - 3 * GiB}
+    assert plan.phase("rollout").resident == ("runtime", "engine_weights", "engine_workspace", "kv_cache")
+    kv_per_token = 2 * layers * kv_heads * d * 2
+    assert f"{kv_per_token / 1024:.1f} KiB of KV cache per token" in plan.report()
+    assert plan.offloaded_bytes == 2 * params * 2 + 12 * -(-params // 8)  # gradients are dropped, not copied
+    assert plan.fits and plan.peak == plan.phase("training").total
+
+
+def test_qwen3_30b_a3b_on_two_nodes_by_hand():
+    """MoE with EP8 x expert-DP2 on 16 GPUs, untied embeddings, q/k norms, full recomputation."""
+    h, heads, kv_heads, d, layers, vocab = 2048, 32, 4, 128, 48, 151936
+    experts, topk, expert_ffn = 128, 8, 768
+    q, kv = heads * d, kv_heads * d
+    dense_layer = h * (q + 2 * kv) + q * h + 2 * h + 2 * d + h * experts  # attention, norms, q/k norms, router
+    expert_layer = experts * 3 * h * expert_ffn
+    assert layers * (dense_layer + expert_layer) + 2 * vocab * h + h == 30_532_122_624  # published: 30.5B
+    dense = layers * dense_layer + 2 * vocab * h + h  # every rank: TP1, PP1
+    expert = layers * expert_layer // 8  # EP8
+
+    plan = memory_plan(config("qwen3-30b-a3b_seq_alp.yaml"), gpus=16, gpu_mem_gib=H100)
+    train = items(plan.phase("training"))
+    tokens = 2048 + 2048
+    one_layer = 2 * 4 * h + 2 * (2 * q + 2 * kv + q + kv) + 8 * experts + 2 * topk * (2 * h + 3 * expert_ffn)
+    assert train == {
+        "weights": (dense + expert) * 2, "reference": (dense + expert) * 2, "grads": (dense + expert) * 4,
+        "optimizer": 12 * (-(-dense // 16) + -(-expert // 2)),  # dense over DP16, experts over expert-DP2
+        "activations": layers * tokens * 2 * h + tokens * one_layer,  # layer inputs + one recomputed layer
+        "logits": tokens * vocab * 2 * 2, "logprob_chunks": 2 * 2**26 * 4,
+        "runtime": 3 * GiB, "engine": 1 * GiB,
+    }
+    megatron_state = sum(train[k] for k in ("weights", "reference", "grads", "optimizer"))
+    assert megatron_state == pytest.approx(59.8 * GiB, abs=0.1 * GiB)
+
+    roll = items(plan.phase("rollout"))
+    engine_weights = 30_532_122_624 * 2 // 4  # engine TP4
+    assert roll["engine_weights"] == engine_weights
+    assert roll["kv_cache"] == int(0.45 * 80 * GiB) - engine_weights - 3 * GiB
+    kv_per_token = 2 * layers * 1 * d * 2  # 4 KV heads over engine TP4
+    assert f"{roll['kv_cache'] // (kv_per_token * tokens)} full-length sequences" in plan.report()
+    assert plan.fits
+
+    # On the single node it used to name, Megatron's state alone is ~81 GiB per GPU.
+    one_node = memory_plan(config("qwen3-30b-a3b_seq_alp.yaml"), gpus=8, gpu_mem_gib=H100)
+    state = sum(items(one_node.phase("training"))[k] for k in ("weights", "reference", "grads", "optimizer"))
+    assert state == pytest.approx(81.1 * GiB, abs=0.1 * GiB)
+    assert not one_node.fits and one_node.failing == ("training",)
+    assert any(a.startswith("--gpus 16 ") for a in one_node.advice)
+
+
+def test_pipeline_stages_count_the_fullest():
+    """Qwen2.5-32B, TP4 + SP x PP2. The first stage holds the embedding, two micro-batches in flight
+    and the sleeping engine; the last holds the output layer, the logits and their gradient (bf16)
+    and the logprob chunks. At micro-batch 1 the first is the fuller, at micro-batch 4 the last."""
+    h, heads, kv_heads, d, ffn, layers, vocab = 5120, 40, 8, 128, 27648, 64, 152064
+    q, kv = heads * d, kv_heads * d
+    layer = (h * (q + 2 * kv) + (q + 2 * kv) + q * h + 3 * h * ffn) // 4 + 2 * h  # TP4 splits the matrices
+    per_token_layer = 2 * 4 * h / 4 + 2 * (2 * q + 2 * kv) / 4 + 2 * 3 * ffn / 4  # SP splits the norm inputs
+    first, last = 32 * layer + vocab * h // 4, 32 * layer + vocab * h // 4 + h  # + final norm
+
+    plan = memory_plan(config("qwen2.5-32b_seq_alp.yaml"), gpus=16, gpu_mem_gib=H100)
+    train = items(plan.phase("training"))
+    assert plan.phase("training").where == "first pipeline stage, GPU 0"
+    tokens = 4096
+    assert train == {
+        "weights": first * 2, "reference": first * 2, "grads": first * 4, "optimizer": 12 * -(-first // 2),
+        # 512 x 8 responses / (DP2 x 16 updates) = 128 micro-batches: min(PP2, 128) in flight, each
+        # keeping the 32 layer inputs (full recompute, one layer per chunk), plus one layer recomputed
+        "activations": int(2 * 32 * tokens * 2 * h / 4 + tokens * per_token_layer),
+        "runtime": 3 * GiB, "engine": 1 * GiB,
+    }
+    assert plan.fits
+
+    wide = memory_plan(config("qwen2.5-32b_seq_alp.yaml", "trainer.micro_batch_size=4"), gpus=16, gpu_mem_gib=H100)
+    train = items(wide.phase("training"))
+    assert wide.phase("training").where == "last pipeline stage"
+    tokens = 4 * 4096
+    assert train == {
+        "weights": last * 2, "reference": last * 2, "grads": last * 4, "optimizer": 12 * -(-last // 2),
+        "activations": int(32 * tokens * 2 * h / 4 + tokens * per_token_layer),
+        "logits": tokens * vocab // 4 * (2 + 2),  # bf16 logits and their bf16 gradient
+        "logprob_chunks": 2 * 2**26 * 4,
+        "runtime": 3 * GiB,
+    }
+
+
+@pytest.mark.parametrize("path", GPU_CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_gpu_config_fits_its_stated_hardware(path):
+    nodes, per_node = map(int, re.search(r"Hardware: (\d+) nodes? x (\d+) H100", path.read_text()).groups())
+    plan = check_fits(load_config(path), nodes * per_node, H100)
+    assert plan.fits and plan.peak <= 0.95 * H100 * GiB
+
+
+def test_refusal_names_the_keys_and_exits_2(capsys):
+    """Qwen2.5-32B at TP1 on one 80 GiB GPU: `megatron-alp plan` prints the plan, then refuses."""
+    oversized = ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
+                 "parallel.sequence_parallel=false", "rollout.tensor_parallel_size=1"]
+    code = main(["plan", "configs/qwen2.5-32b_seq_alp.yaml", *oversized, "--gpus", "1"])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert "DOES NOT FIT" in out and "optimizer state" in out
+    assert err.startswith("megatron-alp plan: error: the memory plan does not fit 1 GPU of 80 GiB")
+    assert "training (policy update) needs" in err and "vLLM refuses to start" in err
+    assert "parallel.tensor_model_parallel_size=" in err and "--gpus 16" in err
+    with pytest.raises(ConfigError, match="parallel.tensor_model_parallel_size"):
+        check_fits(config("qwen2.5-32b_seq_alp.yaml", *oversized), 1, H100)
+
+
+def test_offload_keys_decide_what_stays_resident_during_rollout():
+    """Without offloading, Qwen2.5-32B's state stays beside the engine and vLLM cannot wake."""
+    keep = ["rollout.offload_weights=false", "rollout.offload_grads=false", "rollout.offload_optimizer=false"]
+    plan = memory_plan(config("qwen2.5-32b_seq_alp.yaml", *keep), gpus=16, gpu_mem_gib=H100)
+    train, roll = items(plan.phase("training")), items(plan.phase("rollout"))
+    # the engine sits on the first pipeline stage, which is also training's fullest
+    assert plan.phase("training").where == "first pipeline stage, GPU 0"
+    assert roll["weights"] == train["weights"] and roll["grads"] == train["grads"]
+    assert plan.failing == ("rollout",) and plan.offloaded_bytes == 0
+    refusal = plan.refusal()
+    left = sum(roll[k] for k in ("weights", "reference", "grads", "optimizer", "runtime"))
+    assert f"({left / GiB:.2f} GiB with the runtime) plus the engine's {0.45 * 80:.2f} GiB" in refusal
+    assert any(a.startswith("rollout.offload_optimizer=true") for a in plan.advice)
+
+    only_optimizer_kept = memory_plan(config("qwen2.5-math-1.5b_token_alp.yaml", "rollout.offload_optimizer=false"),
+                                      gpus=8, gpu_mem_gib=H100)
+    roll = only_optimizer_kept.phase("rollout")
+    assert roll.resident[:2] == ("optimizer", "runtime") and roll.nbytes("optimizer") > 0
+
+
+def test_too_small_engine_budget_and_bad_layouts_are_refused():
+    plan = memory_plan(config("qwen2.5-7b_tir_seq_alp.yaml", "rollout.gpu_memory_utilization=0.1"), 8, H100)
+    assert plan.failing == ("kv_cache",) and any("rollout.gpu_memory_utilization=" in a for a in plan.advice)
+    with pytest.raises(ConfigError, match=r"--gpus 12 is not a multiple of parallel.tensor_model_parallel_size"):
+        memory_plan(config("qwen2.5-32b_seq_alp.yaml"), 12, H100)
+    with pytest.raises(ConfigError, match=r"parallel.tensor_model_parallel_size=3 does not divide"):
+        memory_plan(config("qwen2.5-math-1.5b_grpo.yaml", "parallel.tensor_model_parallel_size=3"), 3, H100)
+
+
+def test_architecture_source(tmp_path):
+    """hf_path's own config.json first, then the bundled published config of that name, else an error."""
+    plan = memory_plan(config("qwen3-4b_seq_alp.yaml"), 8, H100)
+    assert plan.source.startswith("bundled published config megatron_alp/models/published/Qwen3-4B.json")
+    local = tmp_path / "Qwen3-4B"
+    local.mkdir()
+    published = json.loads((PUBLISHED / "Qwen3-4B.json").read_text())
+    (local / "config.json").write_text(json.dumps({**published, "num_hidden_layers": 18}))
+    half = memory_plan(config("qwen3-4b_seq_alp.yaml", f"model.hf_path={local}"), 8, H100)
+    assert half.source == str(local / "config.json")
+    assert half.phase("training").nbytes("weights") < plan.phase("training").nbytes("weights")
+    with pytest.raises(ConfigError, match="model.hf_path: /models/Unknown-7B has no config.json"):
+        memory_plan(config("qwen3-4b_seq_alp.yaml", "model.hf_path=/models/Unknown-7B"), 8, H100)
+    tiny = memory_plan(config_from_dict({"model": {"tiny": "qwen3_moe"}}), 1, H100)
+    assert tiny.source == "tiny qwen3_moe model (model.tiny)" and tiny.fits
+
+
+def test_published_configs_agree_with_the_shipped_configs():
+    assert {p.stem for p in PUBLISHED.glob("*.json")} == set(MODELS)
+    for name, (layers, heads, kv_heads) in MODELS.items():
+        hf = json.loads((PUBLISHED / f"{name}.json").read_text())
+        facts = hf["num_hidden_layers"], hf["num_attention_heads"], hf["num_key_value_heads"]
+        assert facts == (layers, heads, kv_heads), name
+        assert hf["torch_dtype"] == "bfloat16" and hf["architectures"]
+
+
+def test_default_gpus_is_the_smallest_layout():
+    names = ("qwen2.5-math-1.5b_grpo.yaml", "qwen3-4b_seq_alp.yaml", "qwen2.5-32b_seq_alp.yaml",
+             "qwen3-30b-a3b_seq_alp.yaml")
+    assert [default_gpus(config(f)) for f in names] == [1, 2, 8, 8]  # TP1; TP2; TP4 x PP2; EP8
+
+
+@pytest.mark.parametrize("path", GPU_CONFIGS, ids=lambda p: p.name)
+def test_docs_show_the_current_plan(path):
+    """docs/memory_plan.md's summary row of each shipped config matches what the planner says now."""
+    nodes, per_node = map(int, re.search(r"Hardware: (\d+) nodes? x (\d+) H100", path.read_text()).groups())
+    plan = memory_plan(load_config(path), nodes * per_node, H100)
+    row = next(line for line in (ROOT / "docs" / "memory_plan.md").read_text().splitlines()
+               if line.startswith(f"| `{path.stem}` |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1].endswith(f"(`--gpus {nodes * per_node}`)")
+    assert cells[3:] == [f"{plan.phase('training').total / GiB:.2f}", f"{plan.phase('rollout').total / GiB:.2f}", "fits"]
