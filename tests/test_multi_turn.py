@@ -200,7 +200,7 @@ def test_void_turns_kept_when_not_masked(tok, executor):
 def test_tir_warm_start_target_is_an_episode_token_for_token(tok, executor, tool_format):
     """The TIR warm start teaches exactly what an episode is: a policy that samples its model tokens
     gets the same response ids (with the sandbox's real output) and the same loss mask."""
-    from megatron_alp.models.warmstart import target_ids
+    from megatron_alp.warmstart import target_ids
 
     ids, mask = target_ids("tir", tok, "What is 7 + 9?", "16", tool_format)
     scripts = {"warm": ["```python\nprint(7 + 9)\n```\n", "The answer is \\boxed{16}."]}
@@ -215,7 +215,7 @@ def test_tir_warm_start_target_is_an_episode_token_for_token(tok, executor, tool
 
 def test_tir_warm_start_reads_the_problem(tok):
     from megatron_alp.data import Prompt
-    from megatron_alp.models.warmstart import tir_code, warmup_examples
+    from megatron_alp.warmstart import tir_code, warmup_examples
 
     assert tir_code("What is 7 + 9?", "16") == ("print(7 + 9)\n", "16\n")
     assert tir_code("Compute 4 - 3.", "1") == ("print(4 - 3)\n", "1\n")

@@ -255,8 +255,8 @@ def test_validation_every_eval_interval_on_one_and_two_ranks(quickstart_run, tmp
     two_ranks = metrics(run)
     assert ["val/reward_mean" in r for r in two_ranks] == [False, True, True]
     for r in one_rank[-1:] + two_ranks[1:]:
-        assert 0 <= r["val/pass@1"] == pytest.approx(r["val/reward_mean"]) <= 1, r
-        assert r["val/pass@1"] <= r["val/pass@2"] <= 1 and r["timing/val_s"] > 0, r
+        assert r["val/pass@1"] == pytest.approx(r["val/reward_mean"]), r  # rewards are 0 or 1
+        assert 0 <= r["val/pass@1"] <= r["val/pass@2"] <= 1 and r["timing/val_s"] > 0, r
     assert (run / "plots" / "reward.png").is_file()
 
 
@@ -265,7 +265,7 @@ def test_warm_start_leaves_out_the_box_on_a_fraction_of_prompts(tmp_path):
     is 7." as its warm-start target, the others "The answer is \\boxed{7}."; the TIR format refuses it."""
     from megatron_alp.data import PromptDataset, load_tokenizer
     from megatron_alp.models.tiny import save_tokenizer
-    from megatron_alp.models.warmstart import warmup_examples
+    from megatron_alp.warmstart import warmup_examples
 
     tok = load_tokenizer(save_tokenizer(tmp_path))
     prompts = PromptDataset.from_files([str(ROOT / "data" / "largest" / "train.jsonl")], tok, 96).head(400)
