@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 from datetime import timedelta
@@ -28,6 +29,10 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1, timeout_min: int =
         if has_gpu():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(dist_backend(), timeout=timedelta(minutes=timeout_min))
+        # A process that exits with a live gloo group can abort in the group's destructor during
+        # interpreter shutdown ("terminate called without an active exception", SIGABRT after a
+        # successful run): tear the groups down while Python is still whole.
+        atexit.register(destroy_distributed)
     world = dist.get_world_size()
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     if world % (tp * pp):
