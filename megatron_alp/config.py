@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -341,6 +341,21 @@ class RolloutConfig(_Section):
     )
     kv_cache_dtype: Literal["auto", "fp8"] = Field("auto", description="KV-cache precision of the engine.")
     tensor_parallel_size: int = Field(1, ge=1, description="Engine tensor parallel size (GPU).")
+    replicas: Union[Literal["auto"], int] = Field(
+        "auto",
+        description="Engine replicas that share each iteration's prompts (whole GRPO groups, balanced by "
+        "expected tokens). Replica k is started by global rank k * world/replicas on the GPUs (or CPU cores) "
+        "of the ranks up to the next replica's: colocated with training. `auto`: world size / "
+        "`tensor_parallel_size` on GPUs (every GPU generates), one per data-parallel rank on the CPU. With "
+        "per-sample seeds the rollouts do not depend on the number of replicas.",
+    )
+    sync_method: Optional[Literal["memory", "folder"]] = Field(
+        None,
+        description="How weights reach an engine: `memory` (buckets handed over in memory: in-process "
+        "reload, shared-memory buffers to a CPU engine subprocess, CUDA IPC handles to a colocated GPU "
+        "engine) or `folder` (a safetensors checkpoint in `sync_dir` the engine reloads). Default: the "
+        "engine's first supported method (vllm: memory; sglang: folder only).",
+    )
     gpu_memory_utilization: float = Field(
         0.5, gt=0.0, le=1.0, description="Fraction of GPU memory the engine may take (colocated)."
     )
@@ -366,9 +381,9 @@ class RolloutConfig(_Section):
     engine_process: Literal["auto", "in_process", "subprocess"] = Field(
         "auto",
         description="Where the vLLM engine runs: `in_process` (fastest start, weights handed over in "
-        "memory), `subprocess` (vLLM's engine-core process on global rank 0, weights handed over "
-        "through `sync_dir`, restarted if it dies), or `auto`: in-process for a one-rank job, a "
-        "subprocess under torchrun (an in-process vLLM would join the trainer's process group).",
+        "memory), `subprocess` (vLLM's engine-core process, started by each replica's rank and "
+        "restarted if it dies), or `auto`: in-process for a one-rank job, a subprocess under torchrun "
+        "(an in-process vLLM would join the trainer's process group).",
     )
     sync_dir: Optional[str] = Field(
         None,
@@ -425,6 +440,13 @@ class RolloutConfig(_Section):
         "CPU memory while the engine generates, and back before the update.",
     )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+
+    @field_validator("replicas")
+    @classmethod
+    def _replicas_positive(cls, v):
+        if v != "auto" and v < 1:
+            raise ValueError(f"replicas must be `auto` or >= 1 (got {v})")
+        return v
 
     @model_validator(mode="after")
     def _engine_accepts(self):

@@ -340,6 +340,7 @@ class RLTrainer:
         out = self._validation.run(self.rollout, seed=self._sample_seed(_VALIDATION_STREAM), reward_fn=self.reward_fn,
                                    tokenizer=self.tokenizer, executor=self.executor, broadcast=self.rollout._broadcast)
         self.rollout.sleep()
+        self.rollout.take_stats()  # validation rollouts stay out of the next iteration's rollout/* metrics
         out["timing/val_s"] = time.time() - t0
         return out
 
@@ -373,6 +374,7 @@ class RLTrainer:
             trajectories = self._rollouts(prompts)
             timing.update(_memory("rollout", device_wide=True))
         timing["timing/rollout_s"] = time.time() - t0
+        timing.update(self.rollout.take_stats())
 
         t0 = time.time()
         rewards = self._rewards(trajectories, prompts)

@@ -6,6 +6,7 @@ see tests/test_weight_sync.py, which also compares the engine with Megatron dire
 
 import os
 import re
+from pathlib import Path
 import signal
 import time
 
@@ -15,6 +16,7 @@ import torch
 from megatron_alp.config import RolloutConfig, SamplingConfig
 from megatron_alp.models.tiny import make_tiny_model
 from megatron_alp.rollout import RolloutError, SamplingParams, build_engine
+from megatron_alp.rollout.base import EngineRestarted
 from megatron_alp.rollout.quantization import cpu_has_fp8_kv_kernels
 from megatron_alp.rollout.vllm_engine import VLLMEngine
 from megatron_alp.rollout.weight_sync import write_hf_checkpoint
@@ -237,12 +239,39 @@ def test_unsupported_quantization_setups_are_refused_with_the_fix(model_dirs, tm
         rollout_cfg(engine="vlm")  # refused when the config is validated, before any engine starts
 
 
+def test_subprocess_engine_takes_weights_in_memory_buckets_and_asks_for_a_resync_after_death(model_dirs):
+    """Under torchrun the engine core is a subprocess: weights reach it in shared-memory buckets
+    (several here: the ~3 MB model in 1 MB buckets of whole layers), its logprobs then equal the
+    HF model's; when it dies, the restart says the synced weights are gone (EngineRestarted) and
+    the next sync restores them."""
+    d = model_dirs["qwen3"]
+    engine = build_engine(rollout_cfg(engine_process="subprocess", sync_bucket_mb=1), str(d), seed=0)
+    try:
+        state = perturbed_state(d, seed=3)
+        engine.update_weights(state.items())
+        assert engine.last_sync["path"] == "memory"
+        model = hf_model(d, state)
+        assert max_diff(model, engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=8))) < FP32_TOL
+        assert not list(Path("/dev/shm").glob(f"megatron-alp-{os.getpid()}-*")), "bucket segments left behind"
+        for pid in engine.engine_pids():
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(1.0)
+        with pytest.raises(EngineRestarted, match="synced before retrying"):
+            engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=8))
+        assert engine.restarts == 1
+        engine.update_weights(state.items())
+        assert max_diff(model, engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=8))) < FP32_TOL
+    finally:
+        engine.shutdown()
+
+
 def test_subprocess_engine_survives_its_death_and_keeps_synced_weights(model_dirs):
-    """vLLM's engine-core process (the layout used under torchrun) is SIGKILLed mid-run: the next
+    """With ``rollout.sync_method: folder`` the engine-core process is SIGKILLed mid-run: the next
     request restarts it from the last synced weight folder and completes; with no retries left
     the failure is a clear error."""
     d = model_dirs["qwen3"]
-    engine = build_engine(rollout_cfg(engine_process="subprocess", max_retries=1), str(d), seed=0)
+    engine = build_engine(rollout_cfg(engine_process="subprocess", sync_method="folder", max_retries=1), str(d),
+                          seed=0)
     try:
         state = perturbed_state(d, seed=3)
         engine.update_weights(state.items())

@@ -158,11 +158,16 @@ class RolloutEngine(abc.ABC):
     """An inference engine that samples responses and takes weight updates from the trainer."""
 
     name: ClassVar[str]
+    # How weights can reach the engine (``rollout.sync_method``), preferred first.
+    sync_methods: ClassVar[tuple[str, ...]] = ("folder",)
 
     @abc.abstractmethod
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 keys: Optional[list[int]] = None) -> list[list[Completion]]:
         """``params.n`` completions for each prompt (token ids), in prompt order. Never drops or
-        truncates a request silently: failures raise :class:`RolloutError`."""
+        truncates a request silently: failures raise :class:`RolloutError`. ``keys``: each prompt's
+        index in the caller's whole batch (default: its position here); per-sample seeds derive
+        from it, so a prompt samples the same whichever replica serves it."""
 
     @abc.abstractmethod
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -184,7 +189,16 @@ class RolloutEngine(abc.ABC):
     @classmethod
     def check_config(cls, cfg: RolloutConfig) -> None:
         """Refuse settings this engine cannot honour (``ValueError`` naming the keys). Runs when a
-        config is validated, possibly on another machine than the job's: no hardware checks here."""
+        config is validated, possibly on another machine than the job's: no hardware checks here.
+        Engines that override it call this one too."""
+        if cfg.sync_method is not None and cfg.sync_method not in cls.sync_methods:
+            raise ValueError(f"rollout.sync_method={cfg.sync_method} is not available with rollout.engine="
+                             f"{cls.name} (it supports: {', '.join(cls.sync_methods)})")
+
+    @classmethod
+    def sync_method(cls, cfg: RolloutConfig) -> str:
+        """``rollout.sync_method``, or this engine's preferred method."""
+        return cfg.sync_method or cls.sync_methods[0]
 
 
 ENGINES: dict[str, type[RolloutEngine]] = {}

@@ -1,31 +1,36 @@
-"""The rollout API the trainer calls collectively: one engine for the job, results on every rank.
+"""The rollout API the trainer calls collectively: engine replicas, results on every rank.
 
-Placement: a single engine, owned by global rank 0. The other ranks take part in every call and
-receive results (and errors) by broadcast over a gloo group, so they hold no engine memory and
-a failure raises the same error everywhere instead of leaving ranks waiting.
+Placement (:mod:`megatron_alp.rollout.placement`): ``rollout.replicas`` engines, replica k
+started by global rank ``k * world / replicas`` on its own GPUs or CPU cores, colocated with the
+trainer ranks of its block. Every rank takes part in every call; results, statistics and errors
+travel over a gloo group, so a failure raises the same error everywhere instead of leaving ranks
+waiting.
 
-- One-rank jobs run vLLM in process: it starts in seconds and weights arrive in memory.
-  Unseeded, its sampling draws from this process's torch RNG, which the trainer seeds every
-  iteration; an engine subprocess's draws also depend on when requests reach it. With
-  per-sample seeds (``SamplingParams.seed``, on by default on the CPU) both sample the same.
-- Under torchrun, vLLM runs in its engine-core subprocess on rank 0 (an in-process vLLM would
-  adopt the trainer's default process group and wait for the other ranks); weights go through
-  a safetensors folder in ``rollout.sync_dir`` (/dev/shm by default). On GPUs the same layout
-  colocates the engine with training: it takes ``gpu_memory_utilization`` of the first
-  ``tensor_parallel_size`` GPUs and sleeps (weights offloaded, KV cache freed) while Megatron
-  trains when ``free_memory_during_training`` is set. vLLM's ``external_launcher`` SPMD mode (one
-  engine shard per trainer rank, weights handed over in memory on every rank) would remove the
-  rank-0 funnel; it runs here on the CPU but is not wired in, because the engine's parallel
-  groups would then live in the trainer's process group, and an engine failure could not be
-  recovered by restarting it.
+- Generation: the prompts of a call are split over the replicas in whole groups (the ``n``
+  samples of a prompt stay together), balanced by expected tokens (prompt length plus the mean
+  response length seen so far), and the completions are gathered in prompt order on every rank.
+  With per-sample seeds (``SamplingParams.seed``, on by default on the CPU) a sample depends only
+  on (seed, prompt index, sample index), so the rollouts are the same for any number of replicas.
+- Failures: each engine retries and restarts itself (``rollout.max_retries``). A replica whose
+  restart lost the synced weights asks for a resync: the trainer's weights are streamed again and
+  only that replica's prompts are re-sent; the other replicas' results are kept. Whatever still
+  fails is a RolloutError naming the replica, on every rank.
+- One-rank jobs run vLLM in process (it starts in seconds and weights arrive in memory);
+  under torchrun each replica's vLLM runs in its engine-core subprocess (an in-process vLLM
+  would adopt the trainer's default process group and wait for the other ranks). On GPUs a
+  replica sleeps (weights offloaded, KV cache freed) while Megatron trains when
+  ``free_memory_during_training`` is set.
 
 Weight sync streams :func:`megatron_alp.models.hf_weights.iter_hf_weights` (TP/PP/EP gathered in
-``sync_bucket_mb`` buckets, ALP sigmas skipped) into the engine; with ``verify_sync`` a short
-sampled probe is scored by the engine and by the Megatron model and must agree.
+``sync_bucket_mb`` buckets on every rank, ALP sigmas skipped); every replica's leader hands the
+buckets to its engine in memory (``rollout.sync_method``). With ``verify_sync`` every replica
+samples a short probe that the Megatron model scores; each must agree.
 """
 
 from __future__ import annotations
 
+import os
+import pickle
 import time
 from datetime import timedelta
 from typing import Any, Callable, Optional
@@ -33,8 +38,10 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_alp.balance import imbalance, partition
 from megatron_alp.comm import cpu_group
 from megatron_alp.config import RolloutConfig
+from megatron_alp.platform import has_gpu
 from megatron_alp.rollout.base import (
     Completion,
     EngineRestarted,
@@ -45,6 +52,7 @@ from megatron_alp.rollout.base import (
     get_engine,
     resolve_max_model_len,
 )
+from megatron_alp.rollout.placement import Placement, ReplicaLayout, engine_placement, replica_layout
 from megatron_alp.rollout.weight_sync import WeightStream, default_verify_tolerance
 
 
@@ -53,9 +61,10 @@ from megatron_alp.rollout.weight_sync import WeightStream, default_verify_tolera
 Scorer = Callable[[Any, list[Trajectory]], dict]
 
 
-def build_engine(cfg: RolloutConfig, model_dir: str, seed: int) -> RolloutEngine:
+def build_engine(cfg: RolloutConfig, model_dir: str, seed: int, placement: Optional[Placement] = None
+                 ) -> RolloutEngine:
     """The engine registered under ``cfg.engine`` (``vllm``, ``sglang``), started on ``model_dir``."""
-    return get_engine(cfg.engine)(cfg, model_dir, seed)
+    return get_engine(cfg.engine)(cfg, model_dir, seed, placement)
 
 
 def _single(models):
@@ -76,108 +85,194 @@ class DistributedRollout:
         self.scorer = scorer
         self.multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if self.multi else 0
-        # CPU-side broadcasts of Python objects, also on NCCL jobs. The other ranks wait in them
-        # while rank 0 generates, retries and restarts the engine; rank 0 bounds all of that itself
-        # (attempt timeouts that scale with the batch, retries) and broadcasts its errors, so the wait
-        # only needs to end a rank 0 stuck outside the engine.
-        wait = 24 * 3600
-        self.group = cpu_group(timeout=timedelta(seconds=wait)) if self.multi else None
+        world = dist.get_world_size() if self.multi else 1
+        # CPU-side exchanges of Python objects, also on NCCL jobs. Ranks wait in them while the
+        # replicas generate, retry and restart; the engines bound all of that themselves (attempt
+        # timeouts that scale with the batch, retries), so the wait only ends a rank stuck elsewhere.
+        self.group = cpu_group(timeout=timedelta(seconds=24 * 3600)) if self.multi else None
+        self.layout: ReplicaLayout = replica_layout(cfg, world, _data_parallel_size(world), has_gpu())
+        self.replica = self.layout.replica_of(self.rank)
         self.engine: Optional[RolloutEngine] = None
         self._models = None
+        self._response_len: Optional[float] = None  # mean response length seen (balancing)
+        self._stats = self._fresh_stats()
         error = None
-        if self.rank == 0:
+        if self.replica is not None:
             try:
-                self.engine = build_engine(cfg, model_dir, seed)
+                local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+                local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+                placement = engine_placement(cfg, self.layout, self.rank, local_rank, local_world, has_gpu())
+                self.engine = build_engine(cfg, model_dir, seed, placement)
             except Exception as err:
                 error = err
-        self._raise_everywhere(error, "starting the rollout engine")
+        self._check(self._gather(_picklable(error)), error, "starting the rollout engine")
+
+    @property
+    def replicas(self) -> int:
+        return self.layout.replicas
 
     # ---------------------------------------------------------------------------- plumbing
 
     def _broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
         if not self.multi:
             return obj
         box = [obj]
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
-    def _raise_everywhere(self, error: Optional[BaseException], what: str) -> None:
-        """Re-raise rank 0's error on rank 0 and as a RolloutError on the other ranks."""
-        message = None if error is None else f"{type(error).__name__}: {error}"
-        message = self._broadcast(message)
-        if message is None:
+    def _gather(self, obj: Any) -> list[Any]:
+        """Each replica leader's ``obj``, indexed by replica, on every rank."""
+        if not self.multi:
+            return [obj]
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, obj, group=self.group)
+        return [everyone[self.layout.leader(k)] for k in range(self.replicas)]
+
+    def _check(self, failures: list, own: Optional[BaseException], what: str) -> None:
+        """Raise the first replica failure (an exception or a message, None for success) everywhere:
+        the replica's own exception on its leader, a RolloutError naming the replica elsewhere."""
+        failed = [(k, f) for k, f in enumerate(failures) if f is not None]
+        if not failed:
             return
-        if error is not None:
-            raise error
-        raise RolloutError(f"{what} failed on rank 0: {message}")
+        if own is not None:
+            raise own
+        k, err = failed[0]
+        detail = f"{type(err).__name__}: {err}" if isinstance(err, BaseException) else str(err)
+        raise RolloutError(f"{what} failed on rollout replica {k} (rank {self.layout.leader(k)}): {detail}")
+
+    def _on_replicas(self, work: Callable[[RolloutEngine], Any], which: set[int]
+                     ) -> tuple[list[tuple[str, Any]], Optional[BaseException]]:
+        """Run ``work(engine)`` on the replicas in ``which``. Returns every replica's ``(status,
+        payload)`` on every rank ("ok" and the result, "resync" and why, "error" and the exception,
+        "skip") and this rank's own exception, if it raised one."""
+        outcome: tuple[str, Any] = ("skip", None)
+        own = None
+        if self.replica in which:
+            try:
+                outcome = ("ok", work(self.engine))
+            except EngineRestarted as err:
+                outcome = ("resync", str(err))
+            except Exception as err:
+                outcome, own = ("error", _picklable(err)), err
+        return self._gather(outcome), own
 
     # ---------------------------------------------------------------------------- rollouts
 
+    def split(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """Prompt indices per replica: whole groups, balanced by expected tokens."""
+        expected = self._response_len if self._response_len is not None else params.max_tokens
+        return partition([params.n * (len(p) + expected) for p in prompts], self.replicas)
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """``params.n`` completions per prompt, identical on every rank."""
+        shares = self.split(prompts, params)
+        results: dict[int, list[Completion]] = {}
+        todo = {k for k in range(self.replicas) if shares[k]}
         resyncs = 0
-        while True:
-            outcome: tuple = ("ok", None)
-            error = None
-            if self.rank == 0:
-                try:
-                    outcome = ("ok", self.engine.generate(prompts, params))
-                except EngineRestarted as err:
-                    outcome, error = ("resync", str(err)), err
-                except Exception as err:
-                    outcome, error = ("error", f"{type(err).__name__}: {err}"), err
-            status, payload = self._broadcast(outcome)
-            if status == "ok":
-                return payload
-            if status == "resync" and self._models is not None and resyncs < self.cfg.max_retries:
+
+        def work(engine):
+            mine = shares[self.replica]
+            t0 = time.time()
+            groups = engine.generate([prompts[i] for i in mine], params, keys=mine)
+            tokens = sum(len(c.response_ids) for g in groups for c in g)
+            return groups, tokens, time.time() - t0
+
+        while todo:
+            outcomes, own = self._on_replicas(work, todo)
+            resync = []
+            for k in sorted(todo):
+                status, payload = outcomes[k]
+                if status == "ok":
+                    groups, tokens, seconds = payload
+                    results.update(zip(shares[k], groups))
+                    self._stats["tokens"][k] += tokens
+                    self._stats["seconds"][k] += seconds
+                    todo.discard(k)
+                elif status == "resync":
+                    resync.append(k)
+            self._check([payload if status == "error" else None for status, payload in outcomes], own, "generation")
+            if resync and (self._models is None or resyncs >= self.cfg.max_retries):
+                k = resync[0]
+                raise RolloutError(f"rollout replica {k} (rank {self.layout.leader(k)}) lost its weights and "
+                                   f"could not be resynced: {outcomes[k][1]}")
+            if resync:
                 resyncs += 1
                 self.sync_weights(self._models)
-                continue
-            if error is not None:
-                raise error
-            raise RolloutError(f"generation failed on rank 0: {payload}")
+        out = [results[i] for i in range(len(prompts))]
+        lengths = [len(c.response_ids) for g in out for c in g]
+        if lengths:
+            self._response_len = sum(lengths) / len(lengths)
+        return out
+
+    def take_stats(self) -> dict:
+        """``rollout/*`` statistics of the generate calls since the last call: replicas, tokens/s of
+        the slowest, mean and fastest replica, and the straggler ratio (slowest / mean time)."""
+        stats, self._stats = self._stats, self._fresh_stats()
+        busy = [k for k in range(self.replicas) if stats["seconds"][k] > 0]
+        out = {"rollout/replicas": float(self.replicas)}
+        if busy:
+            rates = [stats["tokens"][k] / stats["seconds"][k] for k in busy]
+            out.update({
+                "rollout/replica_tokens_per_s_min": min(rates),
+                "rollout/replica_tokens_per_s_mean": sum(rates) / len(rates),
+                "rollout/replica_tokens_per_s_max": max(rates),
+                "rollout/straggler_ratio": imbalance([stats["seconds"][k] for k in range(self.replicas)]),
+            })
+        return out
+
+    def _fresh_stats(self) -> dict:
+        return {"tokens": [0] * self.replicas, "seconds": [0.0] * self.replicas}
 
     def sync_weights(self, models) -> dict:
-        """Stream the trainer's weights into the engine; returns ``sync/*`` statistics."""
+        """Stream the trainer's weights into every replica; returns ``sync/*`` statistics."""
         from megatron_alp.models.hf_weights import iter_hf_weights
 
         model = _single(models)
         t0 = time.time()
         stream = WeightStream(iter_hf_weights(model, self.cfg.sync_bucket_mb << 20))
         error = None
-        if self.rank == 0:
+        if self.engine is not None:
             try:
                 self.engine.update_weights(stream)
             except Exception as err:
                 error = err
         stream.drain()  # every rank reaches the end of the collective, even after an engine error
-        self._raise_everywhere(error, "weight sync")
+        self._check(self._gather(_picklable(error)), error, "weight sync")
         self._models = models
-        stats = {"sync/seconds": time.time() - t0, "sync/bytes": float(stream.bytes),
-                 "sync/tensors": float(stream.tensors)}
+        seconds = time.time() - t0
+        stats = {"sync/seconds": seconds, "sync/bytes": float(stream.bytes), "sync/tensors": float(stream.tensors),
+                 "sync/gbps": stream.bytes / max(seconds, 1e-9) / 1e9}
         if self.cfg.verify_sync:
             stats.update(self.verify(model))
         return stats
 
     def verify(self, model) -> dict:
-        """Sample a short probe from the engine and score it with the Megatron model (``scorer``):
-        the engine must report the trainer's logprobs (within ``rollout.verify_tolerance``)."""
+        """Every replica samples a short probe; the Megatron model scores each (``scorer``): every
+        engine must report the trainer's logprobs (within ``rollout.verify_tolerance``)."""
         if self.scorer is None:
             raise RolloutError("rollout.verify_sync needs the trainer's scorer: DistributedRollout(..., scorer=...)")
         vocab = self._vocab_size()
         prompts = [[3 + (7 * i + 13 * k) % (vocab - 3) for k in range(8)] for i in range(4)]
-        groups = self.generate(prompts, SamplingParams(n=2, temperature=1.0, max_tokens=16))
-        stats = self.scorer(model, [Trajectory.from_completion(c) for g in groups for c in g])
+        params = SamplingParams(n=2, temperature=1.0, max_tokens=16)
+        outcomes, own = self._on_replicas(lambda engine: engine.generate(prompts, params), set(range(self.replicas)))
+        self._check([payload if status != "ok" else None for status, payload in outcomes], own,
+                    "the weight-sync probe")
         trainer_dtype = next(model.parameters()).dtype
         tol = self.cfg.verify_tolerance or default_verify_tolerance(
             self.cfg.dtype, self.cfg.quantization, self.cfg.kv_cache_dtype, trainer_dtype)
-        if not stats["mean"] <= tol:
-            raise RolloutError(
-                f"weight sync verification failed: engine and trainer logprobs differ by mean "
-                f"{stats['mean']:.3e} (max {stats['max']:.3e}) over {stats['tokens']} probe tokens, "
-                f"above rollout.verify_tolerance={tol:g}; the engine does not hold the trainer's weights"
-            )
-        return {"sync/verify_mean_abs_diff": stats["mean"], "sync/verify_max_abs_diff": stats["max"]}
+        worst = None
+        for k, (_, groups) in enumerate(outcomes):
+            stats = self.scorer(model, [Trajectory.from_completion(c) for g in groups for c in g])
+            if not stats["mean"] <= tol:
+                raise RolloutError(
+                    f"weight sync verification failed on rollout replica {k}: engine and trainer logprobs "
+                    f"differ by mean {stats['mean']:.3e} (max {stats['max']:.3e}) over {stats['tokens']} probe "
+                    f"tokens, above rollout.verify_tolerance={tol:g}; the engine does not hold the trainer's weights"
+                )
+            if worst is None or stats["mean"] > worst["mean"]:
+                worst = stats
+        return {"sync/verify_mean_abs_diff": worst["mean"], "sync/verify_max_abs_diff": worst["max"]}
 
     def _vocab_size(self) -> int:
         from megatron_alp.models.families import load_hf_config
@@ -186,7 +281,7 @@ class DistributedRollout:
 
     @property
     def max_model_len(self) -> int:
-        """The engine's context length (prompt + response), known on every rank."""
+        """The engines' context length (prompt + response), known on every rank."""
         from megatron_alp.models.families import load_hf_config
 
         return resolve_max_model_len(self.cfg, load_hf_config(self.model_dir))
@@ -205,3 +300,20 @@ class DistributedRollout:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+
+
+def _data_parallel_size(world: int) -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_world_size() if ps.model_parallel_is_initialized() else world
+
+
+def _picklable(error: Optional[BaseException]) -> Optional[BaseException]:
+    """``error`` if it survives the gather's pickling, else a RolloutError with its type and message."""
+    if error is None:
+        return None
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RolloutError(f"{type(error).__name__}: {error}")

