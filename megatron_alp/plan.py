@@ -4,8 +4,9 @@ A colocated run alternates two phases on the same GPUs, and either can run out:
 
 - **training**, the policy update (the old/reference logprob passes are forward-only and smaller),
   counted on the fullest pipeline stage;
-- **rollout**, the engine awake, counted on its GPUs: one engine for the job, on global rank 0's
-  first ``rollout.tensor_parallel_size`` GPUs (megatron_alp/rollout/distributed.py). vLLM needs
+- **rollout**, the engines awake, counted on the fullest GPU that holds one: ``rollout.replicas``
+  engines, replica k on the first ``rollout.tensor_parallel_size`` GPUs of the k-th block of
+  world/replicas GPUs (megatron_alp/rollout/placement.py; with ``auto`` every GPU). vLLM needs
   ``gpu_memory_utilization x total`` free when it starts and at every wake-up, so what
   ``rollout.offload_*`` leave of Megatron's state plus that budget must fit.
 
@@ -185,13 +186,27 @@ class Layout:
     sp: bool
     distributed_optimizer: bool
     rollout_tp: int
+    replicas: int
 
     @classmethod
     def of(cls, cfg: Config, gpus: int) -> "Layout":
         p = cfg.parallel
-        return cls(gpus, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                   p.expert_model_parallel_size, p.expert_tensor_parallel_size or p.tensor_model_parallel_size,
-                   p.sequence_parallel, p.use_distributed_optimizer, cfg.rollout.tensor_parallel_size)
+        tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+        replicas = cfg.rollout.replicas
+        if replicas == "auto":
+            replicas = max(1, gpus // cfg.rollout.tensor_parallel_size)
+        return cls(gpus, tp, pp, p.expert_model_parallel_size, p.expert_tensor_parallel_size or tp,
+                   p.sequence_parallel, p.use_distributed_optimizer, cfg.rollout.tensor_parallel_size, replicas)
+
+    @property
+    def replica_stride(self) -> int:
+        return self.gpus // self.replicas
+
+    def stages_with_engine(self) -> list[int]:
+        """Pipeline stages (Megatron orders ranks with PP outermost) that have a GPU holding an engine."""
+        per_stage = self.gpus // self.pp
+        return [s for s in range(self.pp)
+                if any(g % self.replica_stride < self.rollout_tp for g in range(s * per_stage, (s + 1) * per_stage))]
 
     @property
     def dp(self) -> int:
@@ -226,6 +241,9 @@ class Layout:
             (self.rollout_tp <= self.gpus and arch.heads % self.rollout_tp == 0,
              f"rollout.tensor_parallel_size={self.rollout_tp} must divide the model's {arch.heads} heads "
              f"and fit in --gpus {self.gpus}"),
+            (self.gpus % self.replicas == 0 and self.replica_stride >= self.rollout_tp,
+             f"rollout.replicas={self.replicas} must divide --gpus {self.gpus} into blocks of at least "
+             f"rollout.tensor_parallel_size={self.rollout_tp} GPUs"),
         ]
         wrong = [msg for ok, msg in rules if not ok]
         if wrong:
@@ -241,7 +259,12 @@ class Layout:
 
     @property
     def engine_gpus(self) -> str:
-        return "GPU 0" if self.rollout_tp == 1 else f"GPUs 0-{self.rollout_tp - 1}"
+        first = "GPU 0" if self.rollout_tp == 1 else f"GPUs 0-{self.rollout_tp - 1}"
+        if self.replicas == 1:
+            return first
+        if self.replica_stride == self.rollout_tp:
+            return f"every GPU ({self.replicas} replicas)"
+        return f"{first} of every {self.replica_stride} GPUs ({self.replicas} replicas)"
 
 
 def default_gpus(cfg: Config) -> int:
@@ -441,23 +464,26 @@ def _training(cfg: Config, arch: Architecture, lay: Layout, seq: int, engine_bud
                       Item("logprob_chunks", "logprob working chunks (fp32)", 2 * chunk * 4,
                            "2 x CHUNK_ELEMENTS['cuda'] x 4 B")]
         items.append(Item("runtime", "CUDA context, NCCL, workspaces", RUNTIME_BYTES, "fixed allowance"))
-        if first:  # global rank 0, which holds the engine, is on the first stage
+        if (0 if first else lay.pp - 1) in lay.stages_with_engine():
             asleep = r.free_memory_during_training
             items.append(Item("engine", "rollout engine " + ("asleep" if asleep else "awake"),
                               ENGINE_ASLEEP_BYTES if asleep else engine_budget,
                               "fixed allowance" if asleep else "rollout.free_memory_during_training: false"))
-        where = "GPU 0" if lay.pp == 1 else "first pipeline stage, GPU 0" if first else "last pipeline stage"
+        where = "GPU 0" if lay.pp == 1 else "first pipeline stage" if first else "last pipeline stage"
         phases.append(Phase("training", "training (policy update)", where, tuple(items)))
     return max(phases, key=lambda p: p.total)
 
 
 def _rollout(cfg: Config, arch: Architecture, lay: Layout, gpu_mem_gib: float, engine_weights: int,
              kv_cache: int) -> Phase:
-    """The engine awake on its GPUs, beside what ``rollout.offload_*`` leave of Megatron's state."""
+    """The engine awake beside what ``rollout.offload_*`` leave of Megatron's state, on the fullest
+    pipeline stage that has an engine GPU."""
     r = cfg.rollout
+    stages = _stage_params(arch, lay)  # the first stage's parameters, and the last's (PP > 1)
+    held = [stages[0 if s == 0 else -1] for s in lay.stages_with_engine()]
     offloaded_by = {"weights": "weights", "reference": "weights", "grads": "grads", "optimizer": "optimizer"}
     items = []
-    for item in _megatron_state(cfg, lay, *_stage_params(arch, lay)[0]):
+    for item in _megatron_state(cfg, lay, *max(held, key=sum)):
         key = offloaded_by[item.key]
         off = getattr(r, f"offload_{key}")
         how = "released" if key == "grads" else "offloaded"  # gradients are zeroed before every update anyway

@@ -1,5 +1,8 @@
 """Rollout replicas (megatron_alp/rollout/distributed.py) on a 2-rank gloo job with real vLLM engines."""
 
+import pytest
+import torch
+
 from helpers import read_results, torchrun
 from megatron_alp.models.tiny import make_tiny_model
 
@@ -18,3 +21,14 @@ def test_two_replicas_sample_like_one_follow_syncs_and_survive_a_killed_engine(t
     assert r["sync"]["sync/verify_mean_abs_diff"] < 1e-3 and r["sync"]["sync/bytes"] > 3e6
     assert r["synced_max_diff"] < 1e-4
     assert r["restarts"] == [0, 1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 NVIDIA GPUs (one vLLM replica on each)")
+def test_two_gpu_replicas_sample_like_one_and_follow_cuda_ipc_syncs(tmp_path):
+    """The CPU check above on 2 GPUs: a replica per GPU, CUDA IPC sync, a killed replica resynced."""
+    a = make_tiny_model("qwen3", tmp_path / "a", seed=3)
+    b = make_tiny_model("qwen3", tmp_path / "b", seed=4)
+    torchrun("check_rollout_replicas.py", str(a), str(b), str(tmp_path / "r.json"))
+    r = read_results(tmp_path / "r.json")
+    assert r["synced_max_diff"] < 1e-4 and r["restarts"] == [0, 1]

@@ -105,18 +105,19 @@ def test_qwen3_30b_a3b_on_two_nodes_by_hand():
 
 
 def test_pipeline_stages_count_the_fullest():
-    """Qwen2.5-32B, TP4 + SP x PP2. The first stage holds the embedding, two micro-batches in flight
-    and the sleeping engine; the last holds the output layer, the logits and their gradient (bf16)
-    and the logprob chunks. At micro-batch 1 the first is the fuller, at micro-batch 4 the last."""
+    """Qwen2.5-32B, TP4 + SP x PP2, one rollout replica. The first stage holds the embedding, two
+    micro-batches in flight and the sleeping engine; the last holds the output layer, the logits and
+    their gradient (bf16) and the logprob chunks. At micro-batch 1 the first is the fuller, at
+    micro-batch 4 the last. With a replica on every 4 GPUs both stages hold a sleeping engine."""
     h, heads, kv_heads, d, ffn, layers, vocab = 5120, 40, 8, 128, 27648, 64, 152064
     q, kv = heads * d, kv_heads * d
     layer = (h * (q + 2 * kv) + (q + 2 * kv) + q * h + 3 * h * ffn) // 4 + 2 * h  # TP4 splits the matrices
     per_token_layer = 2 * 4 * h / 4 + 2 * (2 * q + 2 * kv) / 4 + 2 * 3 * ffn / 4  # SP splits the norm inputs
     first, last = 32 * layer + vocab * h // 4, 32 * layer + vocab * h // 4 + h  # + final norm
 
-    plan = memory_plan(config("qwen2.5-32b_seq_alp.yaml"), gpus=16, gpu_mem_gib=H100)
+    plan = memory_plan(config("qwen2.5-32b_seq_alp.yaml", "rollout.replicas=1"), gpus=16, gpu_mem_gib=H100)
     train = items(plan.phase("training"))
-    assert plan.phase("training").where == "first pipeline stage, GPU 0"
+    assert plan.phase("training").where == "first pipeline stage"
     tokens = 4096
     assert train == {
         "weights": first * 2, "reference": first * 2, "grads": first * 4, "optimizer": 12 * -(-first // 2),
@@ -127,17 +128,24 @@ def test_pipeline_stages_count_the_fullest():
     }
     assert plan.fits
 
-    wide = memory_plan(config("qwen2.5-32b_seq_alp.yaml", "trainer.micro_batch_size=4"), gpus=16, gpu_mem_gib=H100)
+    wide = memory_plan(config("qwen2.5-32b_seq_alp.yaml", "trainer.micro_batch_size=4", "rollout.replicas=1"),
+                       gpus=16, gpu_mem_gib=H100)
     train = items(wide.phase("training"))
     assert wide.phase("training").where == "last pipeline stage"
     tokens = 4 * 4096
-    assert train == {
+    last_stage = {
         "weights": last * 2, "reference": last * 2, "grads": last * 4, "optimizer": 12 * -(-last // 2),
         "activations": int(32 * tokens * 2 * h / 4 + tokens * per_token_layer),
         "logits": tokens * vocab // 4 * (2 + 2),  # bf16 logits and their bf16 gradient
         "logprob_chunks": 2 * 2**26 * 4,
         "runtime": 3 * GiB,
     }
+    assert train == last_stage
+
+    replicas = memory_plan(config("qwen2.5-32b_seq_alp.yaml", "trainer.micro_batch_size=4", "rollout.replicas=4"),
+                           gpus=16, gpu_mem_gib=H100)
+    assert items(replicas.phase("training")) == {**last_stage, "engine": 1 * GiB}  # GPUs 8-15 hold 2 replicas
+    assert "4 replicas" in replicas.layout
 
 
 @pytest.mark.parametrize("path", GPU_CONFIGS, ids=lambda p: p.name)
@@ -165,10 +173,10 @@ def test_refusal_names_the_keys_and_exits_2(capsys):
 def test_offload_keys_decide_what_stays_resident_during_rollout():
     """Without offloading, Qwen2.5-32B's state stays beside the engine and vLLM cannot wake."""
     keep = ["rollout.offload_weights=false", "rollout.offload_grads=false", "rollout.offload_optimizer=false"]
-    plan = memory_plan(config("qwen2.5-32b_seq_alp.yaml", *keep), gpus=16, gpu_mem_gib=H100)
+    plan = memory_plan(config("qwen2.5-32b_seq_alp.yaml", "rollout.replicas=1", *keep), gpus=16, gpu_mem_gib=H100)
     train, roll = items(plan.phase("training")), items(plan.phase("rollout"))
-    # the engine sits on the first pipeline stage, which is also training's fullest
-    assert plan.phase("training").where == "first pipeline stage, GPU 0"
+    # the one engine sits on the first pipeline stage, which is also training's fullest
+    assert plan.phase("training").where == "first pipeline stage"
     assert roll["weights"] == train["weights"] and roll["grads"] == train["grads"]
     assert plan.failing == ("rollout",) and plan.offloaded_bytes == 0
     refusal = plan.refusal()

@@ -322,3 +322,21 @@ print("restarted OK")
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert "restarted OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (vLLM GPU build, CUDA IPC)")
+def test_gpu_subprocess_engine_takes_cuda_ipc_buckets(model_dirs):
+    """On a GPU the engine core runs in its own process and the trainer's CUDA tensors reach it by
+    CUDA IPC, bucket by bucket: afterwards its logprobs are the new weights' (fp32 engine)."""
+    d = model_dirs["qwen3"]
+    engine = build_engine(rollout_cfg(engine_process="subprocess", sync_bucket_mb=1, gpu_memory_utilization=0.3),
+                          str(d), seed=0)
+    try:
+        state = perturbed_state(d, seed=3)
+        engine.update_weights((k, v.cuda()) for k, v in state.items())
+        assert engine.last_sync["path"] == "memory"
+        model = hf_model(d, state)
+        assert max_diff(model, engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=8))) < 1e-3
+    finally:
+        engine.shutdown()

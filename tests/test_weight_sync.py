@@ -6,6 +6,7 @@ statistics themselves.
 """
 
 import json
+import pickle
 
 import pytest
 import torch
@@ -15,8 +16,10 @@ from helpers import read_results, torchrun
 from megatron_alp.models.hf_weights import INDEX_FILE
 from megatron_alp.models.tiny import make_tiny_model
 from megatron_alp.rollout.weight_sync import (
+    BucketWriter,
     WeightStream,
     format_mismatch,
+    layer_buckets,
     mismatch_stats,
     write_hf_checkpoint,
 )
@@ -131,3 +134,87 @@ def test_tp2_and_pp2_trainers_feed_one_engine(two_models, tmp_path):
         assert r[layout]["max_diff"] < 1e-4
         assert r[layout]["sync/bytes"] == expected_bytes
         assert r[layout]["sync/verify_mean_abs_diff"] < 1e-3
+
+
+def test_layer_buckets_end_only_between_decoder_layers():
+    names = ["model.embed_tokens.weight", "lm_head.weight"]
+    for i in range(3):
+        names += [f"model.layers.{i}.self_attn.{p}_proj.weight" for p in "qkv"]
+        names += [f"model.layers.{i}.mlp.down_proj.weight"]
+    names += ["model.norm.weight"]
+    weights = [(n, torch.zeros(250)) for n in names]  # 1000 bytes each
+    buckets = list(layer_buckets(weights, bucket_bytes=1500))
+    assert [n for b in buckets for n, _ in b] == names
+    for b in buckets:
+        layers = {n.split(".")[2] if ".layers." in n else "top" for n, _ in b}
+        assert len(layers) == 1, f"a bucket mixes layers: {[n for n, _ in b]}"
+    assert [n for n, _ in buckets[0]] == names[:2]  # the tied head travels with the embedding
+    big = list(layer_buckets(weights, bucket_bytes=1 << 30))
+    assert len(big) == 1
+
+
+_CONSUMER = """
+import sys, torch
+from megatron_alp.rollout.weight_sync import load_bucket
+seen = {}
+def load(weights):
+    for name, t in weights:
+        seen[name] = t.clone()
+n = load_bucket(bytes.fromhex(sys.stdin.read()), load)
+torch.save((n, seen), sys.argv[1])
+"""
+
+
+def test_shared_memory_bucket_reaches_another_process_intact(tmp_path):
+    """A bucket packed by the trainer is read by another process (as vLLM's worker does) bit for
+    bit, whatever the dtypes, strides and sizes; the segment outlives the reader and is gone after
+    the writer closes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [
+        ("model.layers.0.a", torch.randn(7, 5, generator=g).to(torch.bfloat16)),
+        ("model.layers.0.b", torch.randn(3, 4, generator=g).t()),  # not contiguous
+        ("model.layers.0.c", torch.arange(11, dtype=torch.int64)),
+        ("model.layers.0.d", torch.zeros(0, 3)),
+        ("model.layers.0.e", torch.randn(1, generator=g).half()),
+    ]
+    writer = BucketWriter(prefix="megatron-alp-test")
+    handle = writer.pack(tensors)
+    name = pickle.loads(handle)[1]
+    out = tmp_path / "seen.pt"
+    subprocess.run([sys.executable, "-c", _CONSUMER, str(out)], input=handle.hex(), text=True, check=True)
+    nbytes, seen = torch.load(out)
+    assert nbytes == sum(t.numel() * t.element_size() for _, t in tensors)
+    for n, t in tensors:
+        assert seen[n].dtype == t.dtype and seen[n].shape == t.shape and torch.equal(seen[n], t), n
+    assert Path(f"/dev/shm/{name}").exists(), "the reader must not unlink the trainer's segment"
+    bigger = [("model.layers.1.x", torch.ones(100_000))]
+    handle2 = writer.pack(bigger)  # grows into a new segment, the old one is released
+    assert not Path(f"/dev/shm/{name}").exists()
+    writer.close()
+    assert not Path(f"/dev/shm/{pickle.loads(handle2)[1]}").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA IPC handover)")
+def test_cuda_ipc_bucket_reaches_another_process_intact(tmp_path):
+    """A bucket of CUDA tensors is handed to another process by CUDA IPC (as to a colocated vLLM
+    worker): the reader sees the trainer's device memory bit for bit."""
+    import subprocess
+    import sys
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tensors = [("model.layers.0.a", torch.randn(64, 32, device="cuda", generator=g).to(torch.bfloat16)),
+               ("model.layers.0.b", torch.randn(5, device="cuda", generator=g)),
+               ("model.layers.0.c", torch.arange(7, device="cuda"))]
+    writer = BucketWriter()
+    handle = writer.pack(tensors)
+    out = tmp_path / "seen.pt"
+    subprocess.run([sys.executable, "-c", _CONSUMER, str(out)], input=handle.hex(), text=True, check=True)
+    _, seen = torch.load(out)
+    writer.close()
+    for n, t in tensors:
+        assert seen[n].is_cuda and torch.equal(seen[n].cpu(), t.cpu()), n

@@ -6,8 +6,9 @@ Usage:
       mismatch statistics); then a training-side weight change, a verified in-memory sync, an
       engine broken by a bad update and recovered by a resync.
   torchrun --nproc_per_node 2 check_weight_sync.py sync MODEL_DIR NEW_DIR RESULT.json
-      one engine (subprocess on rank 0) fed by TP=2 and then PP=2 trainers: weight change, sync,
-      engine logprobs equal Megatron's on every rank; a sync that was skipped fails verification.
+      one engine (subprocess on rank 0; DP=1, so one replica) fed by TP=2 and then PP=2 trainers:
+      weight change, in-memory sync, engine logprobs equal Megatron's on every rank; a sync that
+      was skipped fails verification.
 NEW_DIR is another model of the same architecture: loading it is the "training-side weight change".
 """
 
@@ -145,6 +146,8 @@ def sync(model_dir, new_dir, results):
         except RolloutError as err:
             assert "weight sync verification failed" in str(err), err
         stats = rollout.sync_weights(model)
+        if rollout.engine is not None:
+            assert rollout.engine.last_sync["path"] == "memory", rollout.engine.last_sync  # shared-memory buckets
         engine_lp, megatron_lp, groups = trainer_vs_engine(rollout, model, n=4, max_tokens=16)
         same_on_all_ranks(groups)
         if ps.is_pipeline_last_stage():
