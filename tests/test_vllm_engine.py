@@ -239,6 +239,16 @@ def test_unsupported_quantization_setups_are_refused_with_the_fix(model_dirs, tm
         rollout_cfg(engine="vlm")  # refused when the config is validated, before any engine starts
 
 
+def sync_new_weights(engine, model_dir, path: str):
+    """Sync perturbed weights into ``engine`` by ``path``; its logprobs must then be theirs."""
+    state = perturbed_state(model_dir, seed=3)
+    engine.update_weights(state.items())
+    assert engine.last_sync["path"] == path
+    model = hf_model(model_dir, state)
+    assert max_diff(model, engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=8))) < FP32_TOL
+    return state, model
+
+
 def test_subprocess_engine_takes_weights_in_memory_buckets_and_asks_for_a_resync_after_death(model_dirs):
     """Under torchrun the engine core is a subprocess: weights reach it in shared-memory buckets
     (several here: the ~3 MB model in 1 MB buckets of whole layers), its logprobs then equal the
@@ -247,11 +257,7 @@ def test_subprocess_engine_takes_weights_in_memory_buckets_and_asks_for_a_resync
     d = model_dirs["qwen3"]
     engine = build_engine(rollout_cfg(engine_process="subprocess", sync_bucket_mb=1), str(d), seed=0)
     try:
-        state = perturbed_state(d, seed=3)
-        engine.update_weights(state.items())
-        assert engine.last_sync["path"] == "memory"
-        model = hf_model(d, state)
-        assert max_diff(model, engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=8))) < FP32_TOL
+        state, model = sync_new_weights(engine, d, "memory")
         assert not list(Path("/dev/shm").glob(f"megatron-alp-{os.getpid()}-*")), "bucket segments left behind"
         for pid in engine.engine_pids():
             os.kill(pid, signal.SIGKILL)
@@ -273,11 +279,7 @@ def test_subprocess_engine_survives_its_death_and_keeps_synced_weights(model_dir
     engine = build_engine(rollout_cfg(engine_process="subprocess", sync_method="folder", max_retries=1), str(d),
                           seed=0)
     try:
-        state = perturbed_state(d, seed=3)
-        engine.update_weights(state.items())
-        assert engine.last_sync["path"] == "folder"
-        model = hf_model(d, state)
-        assert max_diff(model, engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=8))) < FP32_TOL
+        _, model = sync_new_weights(engine, d, "folder")
         pids = engine.engine_pids()
         assert pids, "the engine core should run in its own process"
         for pid in pids:
