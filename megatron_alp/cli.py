@@ -18,6 +18,7 @@ from megatron_alp.config import InputError
 COMMANDS = {
     "train": ("megatron_alp.trainer", "Run RL training (GRPO/ALP) from a YAML config."),
     "eval": ("megatron_alp.evaluate", "average@k / pass@k on math benchmarks."),
+    "mismatch": ("megatron_alp.mismatch", "Training-inference mismatch of the config's engine settings (no training)."),
     "plot": ("megatron_alp.plot", "Draw the diagnostic figures of a run directory."),
     "convert": ("checkpoint_tools.cli", "Convert and verify HF <-> Megatron checkpoints."),
     "smoke": ("megatron_alp.smoke", "Tiny model, one perturbed forward/backward (install check)."),
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[argv[0]][0])
     cmd_parser = argparse.ArgumentParser(prog=f"megatron-alp {argv[0]}", description=COMMANDS[argv[0]][1])
     module.add_arguments(cmd_parser)
-    args = cmd_parser.parse_args(argv[1:])
+    args = cmd_parser.parse_intermixed_args(argv[1:])  # KEY=VALUE overrides may follow options too
     try:
         return int(module.run(args) or 0)
     except (InputError, FileNotFoundError) as err:

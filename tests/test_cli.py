@@ -29,6 +29,9 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     (("train", "configs/quickstart_cpu.yaml", "trainer.iterations"), ["KEY=VALUE"]),
     (("eval", "configs/quickstart_cpu.yaml", "--model", "/nonexistent/model"), ["/nonexistent/model"]),
     (("plot", "/nonexistent/run"), ["/nonexistent/run"]),
+    # overrides may come after the options: the bad key is what is reported, not the argument order
+    (("eval", "configs/quickstart_cpu.yaml", "--k", "2", "eval.nope=1"), ["eval.nope", "unknown key"]),
+    (("mismatch", "configs/quickstart_cpu.yaml", "--prompts", "2", "rollout.nope=1"), ["rollout.nope", "unknown key"]),
 ])
 def test_bad_input_is_one_message_and_exit_2(args, names):
     proc = cli(*args)
