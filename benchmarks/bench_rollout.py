@@ -1,23 +1,43 @@
-"""Rollout engine throughput and weight-sync time, in process vs in vLLM's engine-core subprocess.
+"""Rollout throughput and weight-sync time: engine placement, replica count, sync method.
 
-For a random model of the chosen size, each placement is started, warmed up, then timed on
+For a random model of the chosen size, each configuration is started, warmed up, then timed on
 ``--prompts`` x ``--n`` sampled responses of ``--max-tokens`` (tokens/s counts generated tokens)
-and on ``--syncs`` full weight syncs from HF-named tensors (in memory in process; through a
-safetensors folder for the subprocess, as under torchrun). Both placements run in one invocation
-and the ratios are printed side by side.
+and/or on ``--syncs`` full weight syncs from HF-named tensors. All configurations of a
+comparison run in one invocation and their ratios are printed side by side:
+
+- default: vLLM in process vs in its engine-core subprocess, tokens/s and s/sync (weights in
+  memory either way: the worker's reload in process, shared-memory buckets to the subprocess);
+- ``--replicas 1 2``: the script re-runs itself under torchrun (one rank per replica of the
+  largest count, ``OMP_NUM_THREADS=1``), starts ``DistributedRollout`` with each count and times
+  them in turn, ``--repeats`` rounds (median), on the same prompts with per-sample seeds (every
+  count samples the same tokens). On the CPU each engine's model runs on one thread, pinned to
+  its own core when several share the machine; its scheduler (engine core) and the rank that
+  drives it are processes of their own. A reference line gives what k single-thread matmul
+  loops on k cores do over one, the most k replicas can gain on this machine (a VM's vCPUs may
+  share hardware). Target: 2 replicas >= 1.6x the tokens/s of 1 on 2 cores;
+- ``--sync-method memory folder``: an engine subprocess takes ``--syncs`` syncs (after one
+  untimed warm-up) through shared-memory buckets vs a safetensors folder in /dev/shm.
+  Target: memory <= 0.5x the seconds of folder.
 
     python benchmarks/bench_rollout.py                                   # CPU, tiny Qwen2
+    python benchmarks/bench_rollout.py --replicas 1 2 --prompts 64 --max-tokens 256   # CPU, 2 cores
+    python benchmarks/bench_rollout.py --sync-method memory folder --model-size 100m --syncs 10
     python benchmarks/bench_rollout.py --device cuda --model-size 1.5b --dtype bfloat16 \\
         --prompts 256 --max-tokens 512                                   # GPU machine (vLLM GPU build)
 
 Model sizes (random weights, the tiny 512-token tokenizer): ``tiny`` (~0.7 M parameters),
-``0.5b`` (Qwen2.5-0.5B-like layers: 24 x 896, ~0.36 B), ``1.5b`` (Qwen2.5-1.5B-like: 28 x 1536,
-~1.3 B).
+``100m`` (12 x 768, intermediate 3072, ~0.1 B), ``0.5b`` (Qwen2.5-0.5B-like layers: 24 x 896,
+~0.36 B), ``1.5b`` (Qwen2.5-1.5B-like: 28 x 1536, ~1.3 B).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -25,49 +45,231 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from megatron_alp.config import RolloutConfig  # noqa: E402
 from megatron_alp.models.tiny import make_tiny_model  # noqa: E402
+from megatron_alp.parallel import free_port  # noqa: E402
 from megatron_alp.rollout import SamplingParams, build_engine  # noqa: E402
 
 SIZES = {
     "tiny": {},
+    "100m": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                 num_key_value_heads=2, max_position_embeddings=4096),
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2, max_position_embeddings=4096),
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                  num_key_value_heads=2, max_position_embeddings=4096),
 }
+SEED = 1234  # per-sample seeds of the timed generate calls
 
+
+def rollout_config(args, **overrides) -> RolloutConfig:
+    return RolloutConfig(dtype=args.dtype, quantization=args.quantization,
+                         max_model_len=args.prompt_len + args.max_tokens + 8, gpu_memory_utilization=args.gpu_mem,
+                         request_timeout_s=3600.0, **overrides)
+
+
+def make_prompts(args) -> list[list[int]]:
+    """The same random prompts in every process (the torchrun ranks must agree on them)."""
+    g = torch.Generator().manual_seed(0)
+    return [[1, *torch.randint(3, 500, (args.prompt_len - 1,), generator=g).tolist()] for _ in range(args.prompts)]
+
+
+def timed_syncs(engine, weights: dict, syncs: int) -> list[float]:
+    seconds = []
+    for _ in range(syncs):
+        t0 = time.perf_counter()
+        engine.update_weights(weights.items())
+        seconds.append(time.perf_counter() - t0)
+    return seconds
+
+
+def weight_mb(weights: dict) -> float:
+    return sum(t.numel() * t.element_size() for t in weights.values()) / 2**20
+
+
+# ------------------------------------------------------------------- in process vs subprocess
 
 def bench_placement(placement: str, model_dir: Path, weights: dict, args) -> dict:
-    cfg = RolloutConfig(dtype=args.dtype, quantization=args.quantization, engine_process=placement,
-                        max_model_len=args.prompt_len + args.max_tokens + 8, gpu_memory_utilization=args.gpu_mem,
-                        request_timeout_s=3600.0)
     t0 = time.perf_counter()
-    engine = build_engine(cfg, str(model_dir), seed=0)
+    engine = build_engine(rollout_config(args, engine_process=placement), str(model_dir), seed=0)
     start_s = time.perf_counter() - t0
-    g = torch.Generator().manual_seed(0)
-    prompts = [[1, *torch.randint(3, 500, (args.prompt_len - 1,), generator=g).tolist()] for _ in range(args.prompts)]
+    prompts = make_prompts(args)
     try:
         engine.generate(prompts[:4], SamplingParams(n=2, max_tokens=8))  # warm-up
         t0 = time.perf_counter()
         groups = engine.generate(prompts, SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens))
         gen_s = time.perf_counter() - t0
         tokens = sum(len(c.response_ids) for grp in groups for c in grp)
-        sync_s = []
-        for _ in range(args.syncs):
-            t0 = time.perf_counter()
-            engine.update_weights(weights.items())
-            sync_s.append(time.perf_counter() - t0)
+        sync_s = timed_syncs(engine, weights, args.syncs)
     finally:
         engine.shutdown()
-    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
     return {"start_s": start_s, "tokens": tokens, "tokens_per_s": tokens / gen_s,
-            "sync_s": sum(sync_s) / len(sync_s), "sync_mb": nbytes / 2**20}
+            "sync_s": sum(sync_s) / len(sync_s), "sync_mb": weight_mb(weights)}
 
 
-def main() -> None:
+def report_placements(rows: dict) -> None:
+    print(f"{'placement':<12} {'start s':>8} {'gen tokens':>10} {'tokens/s':>10} {'s/sync':>8} {'MB/sync':>8}")
+    for name, r in rows.items():
+        print(f"{name:<12} {r['start_s']:8.1f} {r['tokens']:10d} {r['tokens_per_s']:10.0f} "
+              f"{r['sync_s']:8.3f} {r['sync_mb']:8.1f}")
+    if {"in_process", "subprocess"} <= rows.keys():
+        a, b = rows["in_process"], rows["subprocess"]
+        print(f"subprocess / in_process: tokens/s x{b['tokens_per_s'] / a['tokens_per_s']:.2f}, "
+              f"s/sync x{b['sync_s'] / a['sync_s']:.2f}")
+
+
+# ----------------------------------------------------------------------------- sync methods
+
+def bench_sync_method(method: str, model_dir: Path, weights: dict, args) -> dict:
+    """Syncs into an engine subprocess after an untimed warm-up one, so that the mean is the
+    steady cost of a training iteration, not first-call work in either process."""
+    engine = build_engine(rollout_config(args, engine_process="subprocess", sync_method=method), str(model_dir),
+                          seed=0)
+    try:
+        engine.update_weights(weights.items())
+        seconds = timed_syncs(engine, weights, args.syncs)
+        path = engine.last_sync["path"]
+    finally:
+        engine.shutdown()
+    if path != method:
+        raise RuntimeError(f"sync_method={method} but the engine synced through {path!r}")
+    mean = sum(seconds) / len(seconds)
+    return {"sync_s": mean, "min_s": min(seconds), "max_s": max(seconds), "sync_mb": weight_mb(weights),
+            "gb_per_s": weight_mb(weights) * 2**20 / mean / 1e9}
+
+
+def report_sync_methods(rows: dict, syncs: int) -> None:
+    print(f"engine subprocess, mean of {syncs} syncs after one untimed")
+    print(f"{'method':<8} {'s/sync':>8} {'min s':>8} {'max s':>8} {'MB/sync':>8} {'GB/s':>8}")
+    for name, r in rows.items():
+        print(f"{name:<8} {r['sync_s']:8.3f} {r['min_s']:8.3f} {r['max_s']:8.3f} {r['sync_mb']:8.1f} "
+              f"{r['gb_per_s']:8.2f}")
+    if {"memory", "folder"} <= rows.keys():
+        ratio = rows["memory"]["sync_s"] / rows["folder"]["sync_s"]
+        print(f"memory / folder: s/sync x{ratio:.2f} (target <= 0.5: {'met' if ratio <= 0.5 else 'NOT met'})")
+
+
+# --------------------------------------------------------------------------------- replicas
+
+_SPIN = """import os, sys, time, torch
+os.sched_setaffinity(0, {int(sys.argv[1])}); torch.set_num_threads(1); a = torch.randn(256, 256); n = 0
+time.sleep(max(0.0, float(sys.argv[2]) - time.time())); t0 = time.perf_counter()
+while time.perf_counter() - t0 < 2.0: a @ a; n += 1
+print(n)"""
+
+
+def cpu_scaling(k: int) -> float | None:
+    """Matrix products done by k single-thread processes on k cores at once over those of one:
+    the most k replicas can gain here (a VM's vCPUs may share physical cores or host time)."""
+    cores = sorted(os.sched_getaffinity(0))[:k]
+    if len(cores) < k:
+        return None
+
+    def work(on: list[int]) -> int:
+        start = str(time.time() + 4.0)  # after every process has imported torch
+        procs = [subprocess.Popen([sys.executable, "-c", _SPIN, str(c), start], stdout=subprocess.PIPE, text=True)
+                 for c in on]
+        return sum(int(p.communicate()[0]) for p in procs)
+
+    return work(cores) / work(cores[:1])
+
+
+def report_cpu_scaling(k: int, device: str) -> None:
+    ratios = [cpu_scaling(k) for _ in range(3)] if device == "cpu" and k > 1 else []
+    if ratios and None not in ratios:
+        print(f"CPU: {k} single-thread matmul loops on {k} cores at once do x{statistics.median(ratios):.2f} "
+              f"(x{min(ratios):.2f}-{max(ratios):.2f} in 3 tries) the work of one", flush=True)
+
+
+def run_replica_job(model_dir: Path, args) -> dict:
+    """This script again under torchrun (``--replica-job``), one rank per replica of the largest
+    count; the ranks' results come back through a JSON file rank 0 writes."""
+    nproc = max(args.replicas)
+    if any(nproc % r for r in args.replicas):
+        sys.exit(f"--replicas {args.replicas}: every count must divide {nproc} (the job's ranks)")
+    job = model_dir.parent / "replica_job.json"
+    out = model_dir.parent / "replicas.json"
+    job.write_text(json.dumps({**vars(args), "model_dir": str(model_dir), "out": str(out)}))
+    # The settings travel in a file: torchrun would take options such as --n for its own.
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           "--master_port", str(free_port()), str(Path(__file__).resolve()), "--replica-job", str(job)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"torchrun failed (rc={proc.returncode}):\n{(proc.stdout + proc.stderr)[-8000:]}")
+    return {int(r): row for r, row in json.loads(out.read_text()).items()}
+
+
+def replica_worker(job: str) -> None:
+    """One rank of the torchrun job: all replica counts started side by side, then timed in turn
+    on the same prompts, ``--repeats`` rounds, so that load changes on the machine hit all alike."""
+    import torch.distributed as dist
+
+    from megatron_alp.config import ParallelConfig
+    from megatron_alp.parallel import init_distributed
+    from megatron_alp.rollout import DistributedRollout
+
+    args = argparse.Namespace(**json.loads(Path(job).read_text()))
+    init_distributed(ParallelConfig(), seed=0)
+    prompts = make_prompts(args)
+    params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens, seed=SEED)
+    rollouts, rows = {}, {}
+    try:
+        for replicas in dict.fromkeys(args.replicas):
+            t0 = time.perf_counter()
+            rollouts[replicas] = DistributedRollout(
+                rollout_config(args, replicas=replicas, engine_process="subprocess"), args.model_dir, seed=0)
+            rows[replicas] = {"start_s": time.perf_counter() - t0, "gen_s": []}
+            rollouts[replicas].generate(prompts[:4], SamplingParams(n=2, max_tokens=8, seed=SEED))  # warm-up
+            rollouts[replicas].take_stats()
+        for _ in range(args.repeats):
+            for replicas, rollout in rollouts.items():
+                time.sleep(1.5)  # vLLM's idle worker busy-polls for 1 s after its last step
+                dist.barrier()
+                t0 = time.perf_counter()
+                groups = rollout.generate(prompts, params)
+                rows[replicas]["gen_s"].append(time.perf_counter() - t0)
+                rows[replicas]["responses"] = [c.response_ids for g in groups for c in g]
+    finally:
+        for rollout in rollouts.values():
+            rollout.shutdown()
+    for replicas, row in rows.items():
+        stats = rollouts[replicas].take_stats()
+        responses = row.pop("responses")
+        row.update(tokens=sum(map(len, responses)), straggler=stats.get("rollout/straggler_ratio", 1.0),
+                   replica_min=stats.get("rollout/replica_tokens_per_s_min", 0.0),
+                   replica_max=stats.get("rollout/replica_tokens_per_s_max", 0.0),
+                   digest=hashlib.sha1(json.dumps(responses).encode()).hexdigest()[:12])
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(rows))
+
+
+def report_replicas(rows: dict) -> None:
+    """Tokens/s is the median over the repeats (their range beside it shows the noise); the
+    replicas' own rates and the straggler ratio are over all repeats together."""
+    print(f"{'replicas':>8} {'start s':>8} {'gen tokens':>10} {'tokens/s':>10} {'repeats min-max':>16} "
+          f"{'replica tok/s min-max':>22} {'straggler':>9} {'samples':>12}")
+    rate = {}
+    for r, row in sorted(rows.items()):
+        rates = [row["tokens"] / s for s in row["gen_s"]]
+        rate[r] = statistics.median(rates)
+        repeats = f"{min(rates):.0f}-{max(rates):.0f}"
+        replica = f"{row['replica_min']:.0f}-{row['replica_max']:.0f}"
+        print(f"{r:8d} {row['start_s']:8.1f} {row['tokens']:10d} {rate[r]:10.0f} {repeats:>16} {replica:>22} "
+              f"{row['straggler']:9.2f} {row['digest']:>12}")
+    if len({row["digest"] for row in rows.values()}) > 1:
+        print("WARNING: the replica counts sampled different tokens (per-sample seeds should make them equal)")
+    if {1, 2} <= rate.keys():
+        ratio = rate[2] / rate[1]
+        print(f"2 replicas / 1: tokens/s x{ratio:.2f} (target >= 1.6: {'met' if ratio >= 1.6 else 'NOT met'})")
+
+
+# ------------------------------------------------------------------------------------- main
+
+def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--model-size", choices=sorted(SIZES), default="tiny")
@@ -81,34 +283,46 @@ def main() -> None:
     p.add_argument("--syncs", type=int, default=5)
     p.add_argument("--gpu-mem", type=float, default=0.5, help="rollout.gpu_memory_utilization (GPU)")
     p.add_argument("--placements", default="in_process,subprocess")
-    args = p.parse_args()
+    p.add_argument("--replicas", type=int, nargs="+", help="compare these replica counts (torchrun job)")
+    p.add_argument("--repeats", type=int, default=3, help="timed generate calls per replica count (median)")
+    p.add_argument("--sync-method", nargs="+", choices=["memory", "folder"], help="compare these sync methods")
+    p.add_argument("--replica-job", help=argparse.SUPPRESS)  # the torchrun ranks of --replicas
+    return p.parse_args()
+
+
+def load_weights(model_dir: Path, device: str) -> dict:
+    from safetensors.torch import load_file
+
+    weights = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        weights.update(load_file(str(f), device=device))
+    return weights
+
+
+def main() -> None:
+    args = parse_args()
     if (args.device == "cuda") != torch.cuda.is_available():
         sys.exit(f"--device {args.device} but torch.cuda.is_available() is {torch.cuda.is_available()}")
-
-    from safetensors.torch import load_file
+    if args.replica_job:
+        return replica_worker(args.replica_job)
 
     with tempfile.TemporaryDirectory(prefix="bench_rollout_") as tmp:
         model_dir = make_tiny_model(args.family, Path(tmp) / "model", seed=0, dtype=args.dtype,
                                     **SIZES[args.model_size])
-        weights = {}
-        for f in sorted(model_dir.glob("*.safetensors")):
-            weights.update(load_file(str(f), device=args.device))
+        weights = load_weights(model_dir, args.device)
         params = sum(t.numel() for t in weights.values())
         print(f"model: {args.family} {args.model_size} ({params / 1e6:.1f} M parameters, {args.dtype}), "
               f"device {args.device}, quantization {args.quantization}; {args.prompts} prompts x n={args.n}, "
-              f"{args.prompt_len} prompt + {args.max_tokens} response tokens")
-        rows = {}
-        for placement in args.placements.split(","):
-            rows[placement] = bench_placement(placement, model_dir, weights, args)
-    print(f"{'placement':<12} {'start s':>8} {'gen tokens':>10} {'tokens/s':>10} {'s/sync':>8} {'MB/sync':>8}")
-    for name, r in rows.items():
-        print(f"{name:<12} {r['start_s']:8.1f} {r['tokens']:10d} {r['tokens_per_s']:10.0f} "
-              f"{r['sync_s']:8.3f} {r['sync_mb']:8.1f}")
-    if {"in_process", "subprocess"} <= rows.keys():
-        a, b = rows["in_process"], rows["subprocess"]
-        print(f"subprocess / in_process: tokens/s x{b['tokens_per_s'] / a['tokens_per_s']:.2f}, "
-              f"s/sync x{b['sync_s'] / a['sync_s']:.2f}")
+              f"{args.prompt_len} prompt + {args.max_tokens} response tokens", flush=True)
+        if args.replicas:
+            report_cpu_scaling(max(args.replicas), args.device)
+            report_replicas(run_replica_job(model_dir, args))
+        if args.sync_method:
+            report_sync_methods({m: bench_sync_method(m, model_dir, weights, args) for m in args.sync_method},
+                                args.syncs)
+        if not args.replicas and not args.sync_method:
+            report_placements({p: bench_placement(p, model_dir, weights, args) for p in args.placements.split(",")})
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # vLLM's engine subprocess re-imports this module
     main()

@@ -258,7 +258,7 @@ def test_subprocess_engine_takes_weights_in_memory_buckets_and_asks_for_a_resync
     engine = build_engine(rollout_cfg(engine_process="subprocess", sync_bucket_mb=1), str(d), seed=0)
     try:
         state, model = sync_new_weights(engine, d, "memory")
-        assert not list(Path("/dev/shm").glob(f"megatron-alp-{os.getpid()}-*")), "bucket segments left behind"
+        assert len(list(Path("/dev/shm").glob(f"megatron-alp-{os.getpid()}-*"))) == 1, "one bucket segment, reused"
         for pid in engine.engine_pids():
             os.kill(pid, signal.SIGKILL)
         time.sleep(1.0)
@@ -269,6 +269,7 @@ def test_subprocess_engine_takes_weights_in_memory_buckets_and_asks_for_a_resync
         assert max_diff(model, engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=8))) < FP32_TOL
     finally:
         engine.shutdown()
+    assert not list(Path("/dev/shm").glob(f"megatron-alp-{os.getpid()}-*")), "bucket segment left behind"
 
 
 def test_subprocess_engine_survives_its_death_and_keeps_synced_weights(model_dirs):

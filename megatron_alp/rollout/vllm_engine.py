@@ -162,6 +162,7 @@ class VLLMEngine(RolloutEngine):
         self.subprocess = self._wants_subprocess(cfg.engine_process)
         self._sync_root: Optional[Path] = None
         self._weights_dir: Optional[Path] = None  # folder of the current weights (out-of-process path)
+        self._writer: Optional[BucketWriter] = None  # shared-memory buckets (in-memory path to a subprocess)
         self._weights_in_memory = False  # synced weights that a restart would lose
         self._broken = False
         self._asleep: set[str] = set()
@@ -296,6 +297,9 @@ class VLLMEngine(RolloutEngine):
 
     def shutdown(self) -> None:
         self._release()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
         if self._sync_root is not None:
             shutil.rmtree(self._sync_root, ignore_errors=True)
             self._sync_root = self._weights_dir = None
@@ -352,13 +356,14 @@ class VLLMEngine(RolloutEngine):
 
     def _reload_from_buckets(self, stream: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Hand the stream to the engine's workers bucket by bucket, in memory."""
-        writer = BucketWriter()
+        if self._writer is None:
+            self._writer = BucketWriter()
         try:
             for bucket in layer_buckets(stream, self.cfg.sync_bucket_mb << 20):
                 self._llm.collective_rpc("load_weight_bucket", timeout=self.cfg.request_timeout_s,
-                                         args=(writer.pack(bucket),))
+                                         args=(self._writer.pack(bucket),))
         finally:
-            writer.close()
+            self._writer.release_device()
 
     def _reload_from_folder(self, stream: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self._sync_root is None:

@@ -109,9 +109,10 @@ def _layout(tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[tuple], i
 class BucketWriter:
     """The trainer side of an in-memory handover: :meth:`pack` copies a bucket into one buffer the
     engine's processes can map and returns its handle (bytes). CPU tensors go to a POSIX shared
-    memory segment, reused and grown as needed; CUDA tensors to one device buffer shared by CUDA
-    IPC, valid until the next :meth:`pack` or :meth:`close`. One bucket at a time: the caller
-    waits until the engine has loaded a bucket before packing the next."""
+    memory segment, kept, reused and grown as needed (a fresh segment costs more to fill than the
+    copy itself); CUDA tensors to one device buffer shared by CUDA IPC, valid until the next
+    :meth:`pack`, :meth:`release_device` or :meth:`close`. One bucket at a time: the caller waits
+    until the engine has loaded a bucket before packing the next."""
 
     def __init__(self, prefix: str = "megatron-alp"):
         self.prefix = f"{prefix}-{os.getpid()}"
@@ -152,6 +153,10 @@ class BucketWriter:
             self._shm.close()
             self._shm.unlink()
             self._shm = None
+
+    def release_device(self) -> None:
+        """Free the CUDA buffer (between syncs the GPU belongs to training)."""
+        self._cuda = None
 
     def close(self) -> None:
         self._release_shm()
