@@ -235,6 +235,8 @@ def draw_figure(report: dict, train: torch.Tensor, rollout: torch.Tensor, path: 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from megatron_alp.plot import probability_scatter
+
     fig, (env, sc) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [1.4, 1]})
     bins = report["by_probability"]
     x = np.arange(len(bins))
@@ -251,19 +253,9 @@ def draw_figure(report: dict, train: torch.Tensor, rollout: torch.Tensor, path: 
     env.grid(True, alpha=0.3)
     env.legend(fontsize=8)
 
-    p_train, p_roll = train.double().exp().numpy(), rollout.double().exp().numpy()
-    if len(p_train) > SCATTER_POINTS:
-        idx = np.random.default_rng(0).choice(len(p_train), SCATTER_POINTS, replace=False)
-        p_train, p_roll = p_train[idx], p_roll[idx]
-    sc.scatter(p_roll, p_train, s=4, alpha=0.4, lw=0, color="tab:blue", rasterized=True)
-    sc.plot([0, 1], [0, 1], color="black", lw=0.8, ls="--")
-    sc.set_xlim(0, 1)
-    sc.set_ylim(0, 1)
-    sc.set_aspect("equal")
-    sc.set_xlabel("rollout-engine probability")
-    sc.set_ylabel("training probability")
+    probability_scatter(sc, train.double().exp().numpy(), rollout.double().exp().numpy(), SCATTER_POINTS,
+                        size=4, alpha=0.4)
     sc.set_title(f"Token probabilities\nPearson r = {report['all']['pearson_r']:.4f} (n = {report['all']['tokens']})")
-    sc.grid(True, alpha=0.3)
     a = report["all"]
     fig.suptitle(f"{describe(report)}: k3 KL {a['kl_k3']:.2e}, max|log r| {a['abs_log_ratio']['max']:.2e}")
     fig.tight_layout()

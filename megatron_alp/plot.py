@@ -209,6 +209,23 @@ def draw_sigma(ax, run: Run, title_prefix: str = "") -> bool:
     return True
 
 
+def probability_scatter(ax, train: np.ndarray, rollout: np.ndarray, max_points: int = 20000, size: float = 2.0,
+                        alpha: float = 0.3) -> None:
+    """Training vs rollout-engine probability of the same tokens (a fixed subsample of at most
+    ``max_points``), against the diagonal where the two policies agree."""
+    if len(train) > max_points:
+        idx = np.random.default_rng(0).choice(len(train), max_points, replace=False)
+        train, rollout = train[idx], rollout[idx]
+    ax.scatter(rollout, train, s=size, alpha=alpha, lw=0, color="tab:blue", rasterized=True)
+    ax.plot([0, 1], [0, 1], color="black", lw=0.8, ls="--")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.set_aspect("equal")
+    ax.set_xlabel("rollout-engine probability")
+    ax.set_ylabel("training probability")
+    ax.grid(True, alpha=0.3)
+
+
 def draw_scatter(ax, path: Path, title_prefix: str = "", max_points: int = 20000) -> float:
     """Train vs rollout token probability of one iteration; returns Pearson r."""
     with np.load(path) as d:
@@ -216,19 +233,9 @@ def draw_scatter(ax, path: Path, title_prefix: str = "", max_points: int = 20000
     if train.shape != rollout.shape:
         raise ValueError(f"{path}: train_prob {train.shape} and rollout_prob {rollout.shape} differ in shape")
     r = pearson_r(train, rollout)
-    if len(train) > max_points:
-        idx = np.random.default_rng(0).choice(len(train), max_points, replace=False)
-        train, rollout = train[idx], rollout[idx]
-    ax.scatter(rollout, train, s=2, alpha=0.3, lw=0, color="tab:blue", rasterized=True)
-    ax.plot([0, 1], [0, 1], color="black", lw=0.8, ls="--")
-    ax.set_xlim(0, 1)
-    ax.set_ylim(0, 1)
-    ax.set_aspect("equal")
-    ax.set_xlabel("rollout-engine probability")
-    ax.set_ylabel("training probability")
+    probability_scatter(ax, train, rollout, max_points)
     it = int(path.stem.split("_")[-1])
     ax.set_title(f"{title_prefix}Token probabilities, iteration {it}\nPearson r = {r:.4f} (n = {len(train)})")
-    ax.grid(True, alpha=0.3)
     return r
 
 
