@@ -182,7 +182,7 @@ def test_in_memory_weight_update_is_followed_and_sigmas_are_skipped(family, fp32
     state = perturbed_state(model_dirs[family], seed=1)
     sigma = ("model.layers.0.alp_perturbation.log_sigma", torch.zeros(64))
     engine.update_weights(list(state.items()) + [sigma])
-    assert engine.last_sync["path"] == "memory" and engine.last_sync["tensors"] == len(state)
+    assert engine.last_sync["path"] == "in_process" and engine.last_sync["tensors"] == len(state)
     groups = engine.generate(PROMPTS[:2], SamplingParams(n=4, temperature=1.0, max_tokens=16))
     assert max_diff(hf_model(model_dirs[family], state), groups) < FP32_TOL
     assert max_diff(hf_model(model_dirs[family]), groups) > 1e-2  # the old weights no longer explain them
