@@ -3,7 +3,8 @@ machine allows, with throughput, weight-sync time and peak memory per phase.
 
     bash launch/gpu_selftest.sh            # or: python benchmarks/gpu_selftest.py [--out DIR]
 
-Variants: vLLM bf16 rollouts and vLLM FP8 rollouts on one GPU; with 2+ GPUs also TP=2 and DP=2
+Variants: vLLM bf16 rollouts, vLLM FP8 rollouts, and sequence packing (THD layout into Transformer
+Engine attention, 4096-token packed rows) on one GPU; with 2+ GPUs also TP=2 and DP=2
 (torchrun); SGLang when it is installed (see rollout.sglang_python). Each variant is a real
 `megatron-alp train` run (Transformer Engine layer spec, colocated engine with sleep mode and
 training-state offload); a variant that fails is reported with the end of its log and the script
@@ -46,7 +47,8 @@ REPORT = [("rollout tok/s", "throughput/rollout_tokens_per_s"), ("step s", "timi
 
 
 def variants(gpus: int) -> dict[str, tuple[int, list[str]]]:
-    out = {"vllm bf16": (1, []), "vllm fp8": (1, ["rollout.quantization=fp8"])}
+    out = {"vllm bf16": (1, []), "vllm fp8": (1, ["rollout.quantization=fp8"]),
+           "packed thd": (1, ["trainer.max_tokens_per_micro_batch=4096", "trainer.sequence_packing=true"])}
     if gpus >= 2:
         out["vllm tp2"] = (2, ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
                                "rollout.tensor_parallel_size=2"])

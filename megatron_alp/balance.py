@@ -29,3 +29,10 @@ def imbalance(loads: Sequence[float]) -> float:
     """max / mean load (1.0 is perfect balance; 1.0 for no load at all)."""
     mean = sum(loads) / len(loads) if loads else 0.0
     return max(loads) / mean if mean > 0 else 1.0
+
+
+def sequence_cost(length: int, hidden_size: int) -> float:
+    """Relative forward/backward cost of a sequence of ``length`` tokens in a transformer of width
+    ``hidden_size``: the linear layers cost ~24 h^2 FLOPs per token per layer, causal attention
+    ~2 h L (half of QK^T and AV), so a token costs 1 + L / (12 h) token-equivalents."""
+    return length * (1.0 + length / (12.0 * hidden_size))

@@ -575,7 +575,44 @@ class TrainerConfig(_Section):
     updates_per_iteration: int = Field(
         16, ge=1, description="Optimizer steps per iteration (the batch is split into this many mini-batches)."
     )
-    micro_batch_size: int = Field(4, ge=1, description="Sequences per micro-batch in a forward/backward.")
+    micro_batch_size: int = Field(
+        4, ge=1, description="Sequences per micro-batch in a forward/backward (when no token budget is set)."
+    )
+    max_tokens_per_micro_batch: Optional[int] = Field(
+        None,
+        ge=1,
+        description="Token budget of a policy-update micro-batch, in place of `micro_batch_size` rows: "
+        "length-sorted padded rows while rows x longest row fit, or with `sequence_packing` sequences laid "
+        "end to end in one row of at most this many tokens. Must hold the longest sequence (`rollout."
+        "max_model_len`, default max prompt + max response). The loss normalisation stays exact (global "
+        "token and sequence counts of the mini-batch).",
+    )
+    logprob_max_tokens_per_micro_batch: Optional[int] = Field(
+        None,
+        ge=1,
+        description="Token budget of the old/reference logprob passes (default: `max_tokens_per_micro_batch`). "
+        "They keep no activations for a backward, so a budget 2-4x the update's usually fits.",
+    )
+    sequence_packing: bool = Field(
+        False,
+        description="Pack several sequences into one row with per-sequence positions and no attention "
+        "across sequences, so no pad token is computed (needs `max_tokens_per_micro_batch`). Transformer "
+        "Engine attention gets Megatron's THD layout (cu_seqlens); the local spec a block-diagonal causal "
+        "mask. Pipeline parallel pads the packed rows of a pass to one length; sequence parallel pads to "
+        "a multiple of the tensor-parallel size.",
+    )
+    balance_data_parallel: bool = Field(
+        True,
+        description="Split each mini-batch over the data-parallel ranks by greedy LPT on the estimated cost "
+        "of each sequence (tokens, plus attention's quadratic share) instead of equal contiguous counts. "
+        "Logged: `batch/dp_imbalance` (max / mean cost per rank) and `batch/dp_imbalance_unbalanced`.",
+    )
+    fused_linear_logprobs: bool = Field(
+        True,
+        description="Compute the sampled-token logprobs and entropy from the final hidden states and the "
+        "output weight chunk by chunk, never materialising the [tokens, vocab/TP] logits or their gradient "
+        "(false: Megatron's output layer makes the logits, then the chunked logprob code reads them).",
+    )
     seed: int = Field(1, description="Global seed (model init, sampling engine, data order).")
     save_interval: int = Field(10, ge=1, description="Save a checkpoint every this many iterations.")
     keep_checkpoints: int = Field(2, ge=1, description="How many recent checkpoints to keep.")
@@ -696,6 +733,17 @@ class Config(_Section):
             raise ValueError("trainer.sft_warmup_steps is for tiny models (model.tiny); start real models from a checkpoint")
         if self.trainer.sft_warmup_format == "tir" and not self.tir.enabled:
             raise ValueError("trainer.sft_warmup_format=tir warm-starts on multi-turn episodes and needs tir.enabled: true")
+        budgets = {k: getattr(self.trainer, k) for k in ("max_tokens_per_micro_batch",
+                                                           "logprob_max_tokens_per_micro_batch")}
+        if self.trainer.sequence_packing and budgets["max_tokens_per_micro_batch"] is None:
+            raise ValueError("trainer.sequence_packing needs trainer.max_tokens_per_micro_batch (the packed row length)")
+        longest = self.rollout.max_model_len or (
+            self.rollout.sampling.max_prompt_length + self.rollout.sampling.max_response_length)
+        for key, budget in budgets.items():
+            if budget is not None and budget < longest:
+                raise ValueError(
+                    f"trainer.{key}={budget} cannot hold the longest sequence the engine can produce ({longest} "
+                    "tokens: rollout.max_model_len, or max_prompt_length + max_response_length): raise it")
         if self.tir.enabled and "system_prompt" not in self.data.model_fields_set:
             self.data = self.data.model_copy(update={"system_prompt": TIR_SYSTEM_PROMPT})
         return self

@@ -9,6 +9,13 @@ tensor-parallel group with one MAX and one SUM all-reduce. Only the logits shard
 keeps anyway) and a few numbers per token are saved; the backward recomputes the softmax of one
 chunk at a time and needs no communication, because the saved log-normaliser is already global.
 
+:func:`linear_token_logprobs` goes one step further for the policy update: it takes the final
+hidden states and the output weight shard and computes the logits tile by tile (tokens x
+vocabulary chunks, an online max / sum-exp over the chunks), so neither the ``[tokens, V/tp]``
+logits (~4.9 GB per 16K-token sequence per TP rank in bf16) nor their gradient ever exist; it saves
+the hidden states it is given and a few numbers per token, and its backward recomputes each chunk's
+logits once (one extra GEMM of the output layer's three).
+
 Temperature is applied as vLLM applies it before sampling: logits cast to fp32, then divided by
 the temperature. (vLLM reports such *processed* logprobs only with
 ``logprobs_mode="processed_logprobs"``; its default reports raw, temperature-free logprobs.)
@@ -160,16 +167,191 @@ def token_logprobs(
     b, s, v_local = logits.shape
     tp = _group_size(tp_group)
     rank = dist.get_rank(tp_group) if tp > 1 else 0
-    vocab = v_local * tp
-    flat_targets = targets.reshape(-1).long()
-    if flat_targets.numel() and bool(((flat_targets < 0) | (flat_targets >= vocab)).any()):
-        bad = flat_targets[(flat_targets < 0) | (flat_targets >= vocab)][0].item()
-        raise ValueError(f"targets: token id {bad} is outside the vocabulary [0, {vocab})")
+    flat_targets = _checked_targets(targets, v_local * tp)
     budget = CHUNK_ELEMENTS.get(logits.device.type, CHUNK_ELEMENTS["cuda"])
     chunk = chunk_tokens or max(1, budget // max(v_local, 1))
     lp, second = _VocabParallelTokenLogprobs.apply(
         logits.reshape(b * s, v_local), flat_targets, float(temperature), tp_group if tp > 1 else None,
         rank * v_local, chunk, with_entropy,
+    )
+    return lp.view(b, s), (second.view(b, s) if with_entropy else None)
+
+
+def _checked_targets(targets: torch.Tensor, vocab: int) -> torch.Tensor:
+    flat = targets.reshape(-1).long()
+    if flat.numel() and bool(((flat < 0) | (flat >= vocab)).any()):
+        bad = flat[(flat < 0) | (flat >= vocab)][0].item()
+        raise ValueError(f"targets: token id {bad} is outside the vocabulary [0, {vocab})")
+    return flat
+
+
+# Tokens of one tile of the fused linear path: the output weight is read once per tile, so tiles are
+# large; the vocabulary is then walked in chunks of CHUNK_ELEMENTS / tile entries.
+LINEAR_TILE_TOKENS = 4096
+
+
+def _tiles(n: int, v_local: int, device: torch.device, chunk_tokens: Optional[int], chunk_vocab: Optional[int]):
+    budget = CHUNK_ELEMENTS.get(device.type, CHUNK_ELEMENTS["cuda"])
+    tile = chunk_tokens or max(1, min(n, LINEAR_TILE_TOKENS))
+    return tile, chunk_vocab or max(1, min(v_local, budget // tile))
+
+
+class _LinearTokenLogprobs(torch.autograd.Function):
+    """Logprobs/entropy of ``hidden @ weight.T`` by token tiles x vocabulary chunks, with an online
+    (rescaled) max, sum-exp and ``sum p*x`` per token over the chunks; the backward recomputes each
+    chunk's logits and writes each weight row's gradient once per tile."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature_value, group, vocab_start, tile, chunk, with_entropy):
+        n, v_local = hidden.shape[0], weight.shape[0]
+        work = _work_dtype(hidden)
+        temperature = _temperature(temperature_value, hidden)
+        tp = _group_size(group)
+        lse = torch.empty(n, dtype=work, device=hidden.device)
+        logprobs = torch.empty_like(lse)
+        entropy = torch.empty_like(lse) if with_entropy else None
+        local = targets - vocab_start
+        here = (local >= 0) & (local < v_local)
+        for s in range(0, n, tile):
+            e = min(s + tile, n)
+            h = hidden[s:e]
+            m = torch.full((e - s,), float("-inf"), dtype=work, device=hidden.device)
+            total = torch.zeros_like(m)  # sum exp(x - m)
+            px = torch.zeros_like(m)  # sum exp(x - m) (x - m)
+            picked = torch.zeros_like(m)
+            for v in range(0, v_local, chunk):
+                w = min(v + chunk, v_local)
+                x = _scaled(torch.nn.functional.linear(h, weight[v:w]), temperature)
+                m_new = torch.maximum(m, x.amax(dim=-1))
+                if with_entropy:  # re-centre the running sum of p*(x - m) on the new max
+                    px = torch.where(total > 0, px + (m - m_new) * total, px)
+                scale = torch.exp(m - m_new)
+                x.sub_(m_new.unsqueeze(-1))
+                inside = here[s:e] & (local[s:e] >= v) & (local[s:e] < w)
+                col = torch.where(inside, local[s:e] - v, torch.zeros_like(local[s:e]))
+                picked = torch.where(inside, x.gather(-1, col.unsqueeze(-1)).squeeze(-1) + m_new, picked)
+                p = torch.exp(x)
+                total = total * scale + p.sum(dim=-1)
+                if with_entropy:
+                    px = px * scale + p.mul_(x).sum(dim=-1)
+                m = m_new
+                del x, p
+            if tp > 1:
+                m_all = m.clone()
+                dist.all_reduce(m_all, op=dist.ReduceOp.MAX, group=group)
+                scale = torch.exp(m - m_all)
+                stats = torch.stack([total * scale, (px + (m - m_all) * total) * scale,
+                                     torch.where(here[s:e], picked, torch.zeros_like(picked))])
+                dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+                m, total, px, picked = m_all, stats[0], stats[1], stats[2]
+            log_z = total.log()
+            lse[s:e] = m + log_z
+            logprobs[s:e] = picked - lse[s:e]
+            if with_entropy:
+                entropy[s:e] = log_z - px / total
+        ctx.save_for_backward(hidden, weight, local, here, lse, entropy if with_entropy else lse)
+        ctx.temperature, ctx.tile, ctx.chunk, ctx.with_entropy = temperature_value, tile, chunk, with_entropy
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return (logprobs, entropy) if with_entropy else (logprobs, lse)
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_second):
+        # The gradient w.r.t. the chunk's logits is _VocabParallelTokenLogprobs' formula; then
+        # dL/dh = g W_c and dL/dW_c = g^T h, both accumulated in fp32.
+        hidden, weight, local, here, lse, entropy = ctx.saved_tensors
+        tile, chunk, inv_t = ctx.tile, ctx.chunk, 1.0 / ctx.temperature
+        temperature = _temperature(ctx.temperature, hidden)
+        n, v_local = hidden.shape[0], weight.shape[0]
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        u = torch.zeros_like(lse) if grad_logprobs is None else grad_logprobs.to(lse.dtype)
+        w_up = grad_second.to(lse.dtype) if ctx.with_entropy and grad_second is not None else None
+        grad_hidden = torch.empty(hidden.shape, dtype=acc, device=hidden.device) if ctx.needs_input_grad[0] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        for s in range(0, n, tile):
+            e = min(s + tile, n)
+            h = hidden[s:e]
+            h_acc = h.to(acc)
+            u_c = u[s:e].unsqueeze(-1)
+            g_h = torch.zeros(e - s, hidden.shape[1], dtype=acc, device=hidden.device)
+            for v in range(0, v_local, chunk):
+                w = min(v + chunk, v_local)
+                logp = _scaled(torch.nn.functional.linear(h, weight[v:w]), temperature).sub_(lse[s:e].unsqueeze(-1))
+                if w_up is not None:
+                    w_c = w_up[s:e].unsqueeze(-1)
+                    p = torch.exp(logp)
+                    g = _finite(logp).mul_(-w_c * inv_t).sub_((u_c + w_c * entropy[s:e].unsqueeze(-1)) * inv_t).mul_(p)
+                    del p
+                else:
+                    g = logp.exp_().mul_(-u_c * inv_t)
+                inside = here[s:e] & (local[s:e] >= v) & (local[s:e] < w)
+                col = torch.where(inside, local[s:e] - v, torch.zeros_like(local[s:e]))
+                g.scatter_add_(-1, col.unsqueeze(-1), torch.where(inside.unsqueeze(-1), u_c * inv_t, 0.0).to(g.dtype))
+                g = g.to(acc)
+                if grad_hidden is not None:
+                    g_h.addmm_(g, weight[v:w].to(acc))
+                if grad_weight is not None:
+                    grad_weight[v:w].addmm_(g.t(), h_acc)
+                del g, logp
+            if grad_hidden is not None:
+                grad_hidden[s:e] = g_h
+        return (grad_hidden.to(hidden.dtype) if grad_hidden is not None else None,
+                grad_weight.to(weight.dtype) if grad_weight is not None else None,
+                None, None, None, None, None, None, None)
+
+
+def _scaled(logits: torch.Tensor, temperature: Optional[torch.Tensor]) -> torch.Tensor:
+    """``fp32(logits) / temperature`` (fp64 for fp64), as a fresh tensor."""
+    x = logits.to(_work_dtype(logits))
+    return x if temperature is None else x.div_(temperature)
+
+
+def linear_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    tp_group=None,
+    with_entropy: bool = False,
+    chunk_tokens: Optional[int] = None,
+    chunk_vocab: Optional[int] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """:func:`token_logprobs` of the logits ``hidden @ weight.T``, without materialising them.
+
+    ``hidden`` ``[b, s, h]``: final hidden states, identical on every rank of ``tp_group``;
+    ``weight`` ``[V/tp, h]``: this rank's vocabulary shard of the output layer (rows
+    ``rank * V/tp ...``), same dtype. The logits of a tile of ``chunk_tokens`` tokens x
+    ``chunk_vocab`` vocabulary rows are computed as ``F.linear`` computes them (model dtype), then
+    upcast and divided by the temperature as in :func:`token_logprobs`; nothing of size
+    ``[tokens, V/tp]`` is kept. Differentiable w.r.t. ``hidden`` and ``weight``; the backward
+    recomputes each chunk's logits. The gradient returned for ``hidden`` is this rank's share only
+    (from its vocabulary rows): the caller sums it over ``tp_group``, as Megatron's output layer
+    does with its input (see :mod:`megatron_alp.models.output_layer`).
+    """
+    if hidden.dim() != 3 or not hidden.is_floating_point():
+        raise ValueError(f"hidden: expected a float tensor [batch, seq, hidden], got {tuple(hidden.shape)} {hidden.dtype}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[2] or weight.dtype != hidden.dtype:
+        raise ValueError(f"weight: expected [vocab/tp, {hidden.shape[2]}] in {hidden.dtype} (hidden's size and dtype), "
+                         f"got {tuple(weight.shape)} {weight.dtype}")
+    if tuple(targets.shape) != tuple(hidden.shape[:2]):
+        raise ValueError(f"targets: expected shape {tuple(hidden.shape[:2])} (hidden's [batch, seq]), got {tuple(targets.shape)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 (got {temperature})")
+    for name, value in (("chunk_tokens", chunk_tokens), ("chunk_vocab", chunk_vocab)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1 (got {value})")
+    b, s, size = hidden.shape
+    v_local = weight.shape[0]
+    tp = _group_size(tp_group)
+    rank = dist.get_rank(tp_group) if tp > 1 else 0
+    flat_targets = _checked_targets(targets, v_local * tp)
+    tile, chunk = _tiles(b * s, v_local, hidden.device, chunk_tokens, chunk_vocab)
+    lp, second = _LinearTokenLogprobs.apply(
+        hidden.reshape(b * s, size), weight, flat_targets, float(temperature), tp_group if tp > 1 else None,
+        rank * v_local, tile, chunk, with_entropy,
     )
     return lp.view(b, s), (second.view(b, s) if with_entropy else None)
 

@@ -122,6 +122,7 @@ def measure(cfg: Config, model_dir: str, *, prompts: int, n: Optional[int], max_
     from megatron_alp.models.hf_weights import load_hf_weights
     from megatron_alp.parallel import destroy_distributed, init_distributed
     from megatron_alp.platform import has_gpu
+    from megatron_alp.micro_batch import Batching
     from megatron_alp.policy_update import compute_logprobs, probe_mismatch
     from megatron_alp.rl_batch import build_rl_batch
     from megatron_alp.rollout import DistributedRollout, SamplingParams, Trajectory
@@ -161,8 +162,8 @@ def measure(cfg: Config, model_dir: str, *, prompts: int, n: Optional[int], max_
             engine.shutdown()
         trajectories = [Trajectory.from_completion(c) for g in groups for c in g]
         batch = build_rl_batch(trajectories, torch.zeros(len(trajectories)), pad_id)
-        train_lp = compute_logprobs(model, batch, micro_batch_size=cfg.trainer.micro_batch_size,
-                                    temperature=s.temperature, pad_id=pad_id)
+        train_lp = compute_logprobs(model, batch, batching=Batching.for_logprobs(cfg.trainer),
+                                    temperature=s.temperature, pad_id=pad_id, fused=cfg.trainer.fused_linear_logprobs)
     finally:
         if owns_groups:
             destroy_distributed()

@@ -28,7 +28,16 @@ Parallelism:
 
 Precision: noise is sampled in float32 and cast to the activation dtype. In bf16 an increment of
 ~1e-4 is below the resolution of O(1) activations, as in the bf16 reference setups; sigma still
-receives its reparameterised gradient ``sum(dL/dx * eps)``.
+receives its reparameterised gradient ``sum(dL/dx * eps)`` (dL/dx upcast to float32).
+
+Memory: a perturbed layer keeps no activation-sized tensor for its backward. Instead of letting
+autograd save the float32 ``eps`` (4 bytes per element of every perturbed activation), the site
+(:class:`_RegeneratedNoise`) keeps the noise stream's generator state from just before the draw
+(a few KiB on the CPU, 16 bytes on a GPU) and draws ``eps`` again in the backward from a private
+generator set to that state, so the backward reads and advances no global or tracker stream. The
+forward output, the noise and the gradients of hidden and sigma are bit-identical to the plain
+autograd graph of ``hidden + (sigma * eps).to(dtype)``, whose path :data:`REGENERATE_EPS` keeps
+for tests and benchmarks. The price is a second draw of ``eps`` per perturbed layer in the backward.
 """
 
 from __future__ import annotations
@@ -43,9 +52,80 @@ from megatron.core.tensor_parallel import random as mcore_random
 from megatron.core.utils import unwrap_model
 
 from megatron_alp.config import PerturbationConfig, parse_layer_selection
+from megatron_alp.platform import has_gpu
 from megatron_alp.seeding import derive_seed
 
 NOISE_STREAM = "alp-perturbation-noise"
+
+#: True (the default): sites regenerate ``eps`` in the backward (:class:`_RegeneratedNoise`). False:
+#: the original autograd graph, which saves ``eps``. Same noise and bit-identical gradients either
+#: way; the switch exists for the equality tests and ``benchmarks/bench_alp_overhead.py``, not as a
+#: setting.
+REGENERATE_EPS = True
+
+
+def _noise_stream_state(device: torch.device) -> torch.Tensor:
+    """The state of the generator a draw on ``device`` uses, inside the noise stream's fork: the
+    CUDA device's (seed, offset) on a GPU, the CPU default generator's under the CPU shims (see
+    :class:`megatron_alp.platform._RngShim`)."""
+    return torch.cuda.get_rng_state(device) if has_gpu() else torch.get_rng_state()
+
+
+def _redraw_eps(state: torch.Tensor, shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """``eps`` as drawn from a generator in ``state``, from a private generator: the default
+    generators and the tracker's streams are neither read nor advanced."""
+    if has_gpu():
+        gen = torch.Generator(device=device)
+        gen.set_state(state)
+        return torch.randn(shape, device=device, dtype=torch.float32, generator=gen)
+    gen = torch.Generator()
+    gen.set_state(state)
+    return torch.randn(shape, dtype=torch.float32, generator=gen)
+
+
+class _RegeneratedNoise(torch.autograd.Function):
+    """``hidden + (sigma * eps).to(hidden.dtype)`` keeping only the noise stream's state for the
+    backward.
+
+    Forward: the same draw from the same stream and the same arithmetic as the autograd path
+    (in place where that cannot change a bit), so output and noise are bit-identical. Backward:
+    what autograd does for that graph -- the add passes ``grad`` to hidden unchanged; the cast's
+    backward upcasts it to float32; the broadcasting multiply gives ``grad * eps`` and the engine
+    reduces it to sigma's shape with ``sum_to`` (``Tensor.sum_to_size``) -- with ``eps`` redrawn.
+    Activation recomputation re-runs this forward with the tracker states restored, so it
+    snapshots the same state and the backward redraws the same noise.
+
+    On a GPU the issue's target is one fused draw-scale-add kernel (and a fused draw-multiply-
+    reduce in the backward); this is written with torch ops (randn, mul, add, sum) because the
+    machines it is developed on have no GPU to test a kernel with.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, sigma: torch.Tensor, site: "PerturbationSite") -> torch.Tensor:
+        tracker = mcore_random.get_cuda_rng_tracker()
+        with tracker.fork(NOISE_STREAM):
+            ctx.state = _noise_stream_state(hidden.device)
+            eps = torch.randn(hidden.shape, device=hidden.device, dtype=torch.float32)
+        ctx.shape, ctx.device, ctx.sigma_shape = hidden.shape, eps.device, sigma.shape
+        noise = eps.mul_(sigma)  # == sigma * eps elementwise, without a second float32 buffer
+        site.controller.record(site, noise)
+        cast = noise.to(hidden.dtype)  # the same tensor when hidden is float32
+        if hidden.is_contiguous():
+            return cast.add_(hidden)  # == hidden + cast (addition commutes; same contiguous layout)
+        return hidden + cast
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad_sigma = None
+        if ctx.needs_input_grad[1]:
+            eps = _redraw_eps(ctx.state, ctx.shape, ctx.device)
+            g = grad.to(torch.float32)  # _to_copy's backward, ``grad.to(noise's options)``; a no-op in fp32
+            if g.is_contiguous():
+                prod = eps.mul_(g)  # == g * eps elementwise, in the same contiguous layout
+            else:  # autograd's out-of-place product, whose layout (and so sum order) follows g
+                prod = g * eps
+            grad_sigma = prod.sum_to_size(ctx.sigma_shape)
+        return (grad if ctx.needs_input_grad[0] else None), grad_sigma, None
 
 
 class PerturbationSite(torch.nn.Module):
@@ -73,6 +153,9 @@ class PerturbationSite(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden + sigma * eps`` with eps ~ N(0, I) per position from the noise stream."""
+        if REGENERATE_EPS:
+            return _RegeneratedNoise.apply(hidden, self.sigma().to(hidden.device), self)
+        # The autograd path: its multiply saves eps (float32, activation-sized) for sigma's gradient.
         tracker = mcore_random.get_cuda_rng_tracker()
         with tracker.fork(NOISE_STREAM):
             eps = torch.randn(hidden.shape, device=hidden.device, dtype=torch.float32)

@@ -2,8 +2,8 @@
 
 A colocated run alternates two phases on the same GPUs, and either can run out:
 
-- **training**, the policy update (the old/reference logprob passes are forward-only and smaller),
-  counted on the fullest pipeline stage;
+- **training**, the policy update (or the forward-only old/reference logprob passes, when a
+  larger logprob token budget makes them the fuller), counted on the fullest pipeline stage;
 - **rollout**, the engines awake, counted on the fullest GPU that holds one: ``rollout.replicas``
   engines, replica k on the first ``rollout.tensor_parallel_size`` GPUs of the k-th block of
   world/replicas GPUs (megatron_alp/rollout/placement.py; with ``auto`` every GPU). vLLM needs
@@ -22,26 +22,49 @@ b is the size of ``model.dtype``.
 - optimizer ``12 x P`` (fp32 master copy, Adam m and v; 8 for a float32 model, its own master),
   divided with ``use_distributed_optimizer`` by DP = gpus / (TP x PP) for dense parameters and by
   expert-DP = gpus / (ETP x EP x PP) for expert parameters;
-- activations of a micro-batch of T = ``micro_batch_size x`` the engine context (prompt + response
-  budget) tokens. Per layer and token, after Korthikanti et al. 2022 ("Reducing Activation
-  Recomputation in Large Transformer Models") for SwiGLU, grouped-query attention, no dropout and
-  flash attention (Transformer Engine): ``b x 4h / (TP if SP else 1)`` (inputs of the two norms, of
-  QKV and of FC1 or the router) ``+ b x (2q + 2kv, + q + kv with q/k norms) / TP`` (Q, K, V, the
-  attention output, the q/k norm inputs) ``+ b x 3I / TP`` (FC1 and SwiGLU outputs); an MoE layer
-  has ``(8E + b x k x ETP x (2h + 3 I_e / ETP)) / TP`` instead (fp32 router logits and scores; per
+- activations of a micro-batch of T tokens: ``trainer.max_tokens_per_micro_batch`` when set (a
+  token budget: length-sorted padded rows while rows x longest row <= T, or with
+  ``trainer.sequence_packing`` one packed row of at most T tokens), else T = ``micro_batch_size x s``,
+  s the engine context (prompt + response budget). Per layer and token, after Korthikanti et al.
+  2022 ("Reducing Activation Recomputation in Large Transformer Models") for SwiGLU, grouped-query
+  attention, no dropout and flash attention (Transformer Engine, packed rows in THD layout):
+  ``b x 4h / (TP if SP else 1)`` (inputs of the two norms, of QKV and of FC1 or the router)
+  ``+ b x (2q + 2kv, + q + kv with q/k norms) / TP`` (Q, K, V, the attention output, the q/k norm
+  inputs) ``+ b x 3I / TP`` (FC1 and SwiGLU outputs); an MoE layer has
+  ``(8E + b x k x ETP x (2h + 3 I_e / ETP)) / TP`` instead (fp32 router logits and scores; per
   routed copy its input, output, FC1 and SwiGLU outputs, routing balanced), with q = heads x
   head_dim and kv = kv_heads x head_dim. ``model.layer_spec: local`` (unfused attention) adds the
-  attention probabilities, ``b x heads / TP x s^2`` per sequence and layer, unless ``recompute:
-  selective``. With ``recompute: full`` only each chunk's input stays (``b x h x T / (TP if SP else
-  1)`` per ``recompute_num_layers`` layers), plus one chunk's activations while it is recomputed.
-  The first pipeline stage holds min(PP, micro-batches per update) micro-batches in flight;
-- logits on the last stage: ``T x vocab / TP x 2b``, the logits and their gradient in the model
+  attention probabilities, ``b x heads / TP x S`` per layer with S the sum of each row's length
+  squared, unless ``recompute: selective``: ``micro_batch_size x s^2`` for rows; for padded rows
+  under a budget the worst r x L^2 with r x L <= T and L <= s (r = T // s full-length rows, or one
+  row more of T // r tokens); for a packed row T^2 (the block-diagonal causal mask is applied to
+  the whole row's T x T scores). With ``recompute: full`` only each chunk's input stays
+  (``b x h x T / (TP if SP else 1)`` per ``recompute_num_layers`` layers), plus one chunk's
+  activations while it is recomputed. The first pipeline stage holds min(PP, micro-batches per
+  update) micro-batches in flight: a rank's sequences per update / ``micro_batch_size``, or with a
+  budget ceil(sequences x s / T) (all full-length, the worst case);
+- the output on the last stage. With ``trainer.fused_linear_logprobs`` (the default) the update
+  computes the sampled-token logprob and entropy from the final hidden states and the output
+  weight chunk by chunk (``linear_token_logprobs``, megatron_alp/logprobs.py), and the logits and
+  their gradient never exist: the hidden states ``T x h x b`` (the GPTModel output, gathered over
+  sequence parallel, in the model dtype, kept for the backward), their gradient ``T x h x 4`` (an
+  fp32 accumulator during the backward), the fp32 working set (two chunks of
+  ``CHUNK_ELEMENTS["cuda"]`` elements, as below) and ``FUSED_STATS_PER_TOKEN`` fp32 statistics per
+  token. Without it the logits: ``T x vocab / TP x 2b``, the logits and their gradient in the model
   dtype: the policy update asks Float16Module for its output without the fp32 upcast
-  (``fp32_output=False``, megatron_alp/policy_update.py), megatron_alp/logprobs.py keeps the logits
-  for its backward and allocates their gradient ``empty_like`` them; plus its fp32 working set, two
-  chunks of ``CHUNK_ELEMENTS["cuda"]`` elements alive at once (the shifted logits and their
-  exponentials, in the forward and again in the backward; on a GPU the upcast of a bf16 chunk is
-  fused into the subtraction, not a third copy);
+  (``fp32_output=False``, megatron_alp/policy_update.py), megatron_alp/logprobs.py keeps the
+  logits for its backward and allocates their gradient ``empty_like`` them; plus its fp32 working
+  set, two chunks of ``CHUNK_ELEMENTS["cuda"]`` elements alive at once (the shifted logits and
+  their exponentials, in the forward and again in the backward; on a GPU the upcast of a bf16
+  chunk is fused into the subtraction, not a third copy). The output weight's gradient is part of
+  the gradient buffer in both paths (P counts the output layer on the last stage);
+- the old and reference logprob passes, forward-only, keep nothing for a backward: per micro-batch
+  of ``trainer.logprob_max_tokens_per_micro_batch`` tokens (default: the update's budget; without a
+  budget the update's rows), one layer's activations at a time (the per-token bytes above and that
+  layer's probabilities) and the output without its gradient: the hidden states (fused) or the
+  logits ``T x vocab / TP x b``, and the working chunks. The training phase counts whichever of
+  the update and these passes is the larger on the fullest stage: the update, unless the logprob
+  budget is several times the update's;
 - engine weights ``parameters x bytes / rollout.tensor_parallel_size``, with 1 byte for the linear
   layers under ``rollout.quantization`` (embeddings stay in the engine dtype);
 - KV cache: what the budget leaves after the engine's weights and workspace, at
@@ -85,6 +108,7 @@ ENGINE_ASLEEP_BYTES = 1 * GiB  # a sleeping engine: its CUDA context and graph p
 HEADROOM = 0.05  # of the GPU kept free: allocator fragmentation and the error of the estimates
 DEFAULT_GPU_MEM_GIB = 80.0  # H100 80GB
 MAX_SEARCH_GPUS = 256  # the advice looks for layouts up to this many GPUs
+FUSED_STATS_PER_TOKEN = 8  # fp32 values per token of the fused logprob path: max, sum-exp, target logit, ...
 
 
 # ------------------------------------------------------------------------------ architecture
@@ -281,7 +305,7 @@ def default_gpus(cfg: Config) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Item:
-    key: str  # stable name: weights, reference, grads, optimizer, activations, logits, ...
+    key: str  # stable name: weights, reference, grads, optimizer, activations, logits or hidden, ...
     label: str
     nbytes: int
     basis: str  # how it was counted (or why it is 0)
@@ -422,14 +446,46 @@ def _megatron_state(cfg: Config, lay: Layout, dense: int, expert: int) -> list[I
     ]
 
 
-def _activations(cfg: Config, arch: Architecture, lay: Layout, seq: int, in_flight: int) -> Item:
+@dataclasses.dataclass(frozen=True)
+class MicroBatchShape:
+    """The worst micro-batch of a pass: ``tokens`` computed, ``square`` the sum over its rows of the
+    row length squared (the attention scores of unfused attention), and how it is cut."""
+
+    tokens: int
+    square: int
+    describe: str  # for the notes: "4 x 4096 tokens", "16384 tokens (token budget, padded)"
+
+    @classmethod
+    def of(cls, cfg: Config, seq: int, budget: Optional[int]) -> "MicroBatchShape":
+        """``budget`` tokens (None: ``micro_batch_size`` rows of ``seq``), as padded rows or, with
+        ``sequence_packing``, one packed row."""
+        t = cfg.trainer
+        if budget is None:
+            return cls(t.micro_batch_size * seq, t.micro_batch_size * seq**2, f"{t.micro_batch_size} x {seq} tokens")
+        if t.sequence_packing:
+            return cls(budget, budget**2, f"{budget} tokens (token budget, packed)")
+        # r rows of longest L with r x L <= budget, L <= seq: r x L^2 grows with r while L = seq,
+        # then shrinks as L = budget // r, so the worst is at r = budget // seq or one row more.
+        full = max(1, budget // seq)
+        square = max(full * min(seq, budget // full) ** 2, (full + 1) * min(seq, budget // (full + 1)) ** 2)
+        return cls(budget, square, f"{budget} tokens (token budget, padded)")
+
+
+def _probs(cfg: Config, arch: Architecture, lay: Layout, shape: MicroBatchShape) -> float:
+    """Attention probabilities of one layer: unfused attention (``layer_spec: local``) only."""
+    if cfg.model.layer_spec != "local":
+        return 0.0  # flash attention (TE): padded rows, or packed rows in THD layout
+    return DTYPE_BYTES[cfg.model.dtype] * arch.heads / lay.tp * shape.square
+
+
+def _activations(cfg: Config, arch: Architecture, lay: Layout, shape: MicroBatchShape, in_flight: int) -> Item:
     """Activations of one stage's layers kept for the backward, ``in_flight`` micro-batches of them."""
-    m, mbs = cfg.model, cfg.trainer.micro_batch_size
+    m = cfg.model
     b = DTYPE_BYTES[m.dtype]
     layers = arch.layers // lay.pp
-    tokens = mbs * seq
+    tokens = shape.tokens
     per_token = _activations_per_token_layer(arch, lay, b)
-    probs = b * arch.heads / lay.tp * seq**2 * mbs if m.layer_spec == "local" else 0.0  # unfused attention
+    probs = _probs(cfg, arch, lay, shape)
     label = f"activations ({in_flight} micro-batch{'es' if in_flight > 1 else ''} in flight)"
     if m.recompute == "full":
         chunk = min(m.recompute_num_layers, layers)
@@ -437,41 +493,80 @@ def _activations(cfg: Config, arch: Architecture, lay: Layout, seq: int, in_flig
         inputs = chunks * tokens * b * arch.hidden / (lay.tp if lay.sp else 1)
         nbytes = in_flight * inputs + chunk * (tokens * per_token + probs)
         return Item("activations", label, int(nbytes),
-                    f"full recompute: {chunks} chunk inputs + {chunk} layer(s) recomputed, {tokens} tok")
+                    f"full recompute: {chunks} chunk inputs + {chunk} layer(s) recomputed, {tokens} tok"
+                    + (" + attention probs" if probs else ""))
     kept = tokens * per_token + (0.0 if m.recompute == "selective" else probs)
     return Item("activations", label, int(in_flight * layers * kept),
-                f"{layers} layers x {tokens} tok x {per_token / 1024:.1f} KiB")
+                f"{layers} layers x {tokens} tok x {per_token / 1024:.1f} KiB"
+                + (" + attention probs" if kept > tokens * per_token else ""))
+
+
+def _forward_activations(cfg: Config, arch: Architecture, lay: Layout, shape: MicroBatchShape) -> Item:
+    """A forward-only pass keeps nothing for a backward: one layer's activations at a time."""
+    per_token = _activations_per_token_layer(arch, lay, DTYPE_BYTES[cfg.model.dtype])
+    probs = _probs(cfg, arch, lay, shape)
+    return Item("activations", "activations (forward only, one layer)", int(shape.tokens * per_token + probs),
+                f"1 layer x {shape.tokens} tok x {per_token / 1024:.1f} KiB" + (" + attention probs" if probs else ""))
+
+
+def _output(cfg: Config, arch: Architecture, lay: Layout, tokens: int, backward: bool) -> list[Item]:
+    """What the last stage holds to turn its output into logprobs (see the module docstring)."""
+    m = cfg.model
+    b = DTYPE_BYTES[m.dtype]
+    v_local = arch.vocab // lay.tp
+    chunk = min(CHUNK_ELEMENTS["cuda"], tokens * v_local)
+    chunks = Item("logprob_chunks", "logprob working chunks (fp32)", 2 * chunk * 4, "2 x CHUNK_ELEMENTS['cuda'] x 4 B")
+    if not cfg.trainer.fused_linear_logprobs:
+        copies = 2 if backward else 1
+        return [Item("logits", f"logits + their gradient ({m.dtype})" if backward else f"logits ({m.dtype})",
+                     tokens * v_local * copies * b, f"{tokens} tok x {v_local} vocab/TP x ({copies} x {b}) B"), chunks]
+    items = [Item("hidden", f"final hidden states ({m.dtype})", tokens * arch.hidden * b,
+                  f"{tokens} tok x {arch.hidden} hidden x {b} B (fused_linear_logprobs)")]
+    if backward:
+        items.append(Item("hidden_grad", "their gradient (fp32 accumulator)", tokens * arch.hidden * 4,
+                          f"{tokens} tok x {arch.hidden} hidden x 4 B"))
+    return items + [chunks, Item("token_stats", "per-token logprob statistics (fp32)",
+                                 tokens * FUSED_STATS_PER_TOKEN * 4, f"{tokens} tok x {FUSED_STATS_PER_TOKEN} x 4 B")]
+
+
+def _logprob_budget(cfg: Config) -> Optional[int]:
+    t = cfg.trainer
+    return t.logprob_max_tokens_per_micro_batch or t.max_tokens_per_micro_batch
 
 
 def _training(cfg: Config, arch: Architecture, lay: Layout, seq: int, engine_budget: int) -> Phase:
-    """The policy update on the fullest pipeline stage."""
-    t, r, m = cfg.trainer, cfg.rollout, cfg.model
-    b = DTYPE_BYTES[m.dtype]
-    tokens = t.micro_batch_size * seq
+    """The policy update, or the forward-only logprob passes where they are the fuller, on the
+    fullest pipeline stage."""
+    t, r = cfg.trainer, cfg.rollout
+    update = MicroBatchShape.of(cfg, seq, t.max_tokens_per_micro_batch)
+    logprob = MicroBatchShape.of(cfg, seq, _logprob_budget(cfg))
     per_rank = t.prompts_per_iteration * r.sampling.n / (t.updates_per_iteration * lay.dp)
-    micro_batches = max(1, math.ceil(per_rank / t.micro_batch_size))
-    v_local = arch.vocab // lay.tp
+    if t.max_tokens_per_micro_batch:  # worst case: every sequence full length
+        micro_batches = max(1, math.ceil(per_rank * seq / t.max_tokens_per_micro_batch))
+    else:
+        micro_batches = max(1, math.ceil(per_rank / t.micro_batch_size))
     stages = _stage_params(arch, lay)
     phases = []
     for index, (dense, expert) in enumerate(stages):
         first, last = index == 0, index == len(stages) - 1
-        items = _megatron_state(cfg, lay, dense, expert)
-        items.append(_activations(cfg, arch, lay, seq, min(lay.pp, micro_batches) if first else 1))
-        if last:
-            chunk = min(CHUNK_ELEMENTS["cuda"], tokens * v_local)
-            items += [Item("logits", f"logits + their gradient ({m.dtype})", tokens * v_local * 2 * b,
-                           f"{tokens} tok x {v_local} vocab/TP x (2 x {b}) B"),
-                      Item("logprob_chunks", "logprob working chunks (fp32)", 2 * chunk * 4,
-                           "2 x CHUNK_ELEMENTS['cuda'] x 4 B")]
-        items.append(Item("runtime", "CUDA context, NCCL, workspaces", RUNTIME_BYTES, "fixed allowance"))
+        state = _megatron_state(cfg, lay, dense, expert)
+        fixed = [Item("runtime", "CUDA context, NCCL, workspaces", RUNTIME_BYTES, "fixed allowance")]
         if (0 if first else lay.pp - 1) in lay.stages_with_engine():
             asleep = r.free_memory_during_training
-            items.append(Item("engine", "rollout engine " + ("asleep" if asleep else "awake"),
+            fixed.append(Item("engine", "rollout engine " + ("asleep" if asleep else "awake"),
                               ENGINE_ASLEEP_BYTES if asleep else engine_budget,
                               "fixed allowance" if asleep else "rollout.free_memory_during_training: false"))
         where = "GPU 0" if lay.pp == 1 else "first pipeline stage" if first else "last pipeline stage"
-        phases.append(Phase("training", "training (policy update)", where, tuple(items)))
-    return max(phases, key=lambda p: p.total)
+        passes = [
+            ("training (policy update)",
+             [_activations(cfg, arch, lay, update, min(lay.pp, micro_batches) if first else 1)]
+             + (_output(cfg, arch, lay, update.tokens, backward=True) if last else [])),
+            ("training (old/reference logprob pass)",
+             [_forward_activations(cfg, arch, lay, logprob)]
+             + (_output(cfg, arch, lay, logprob.tokens, backward=False) if last else [])),
+        ]
+        phases += [Phase("training", title, where, tuple(state + held + fixed)) for title, held in passes]
+    return max(phases, key=lambda p: p.total)  # the first of equals: the update
 
 
 def _rollout(cfg: Config, arch: Architecture, lay: Layout, gpu_mem_gib: float, engine_weights: int,
@@ -551,8 +646,11 @@ def _plan(cfg: Config, gpus: int, gpu_mem_gib: float, hf: dict, source: str) -> 
     kept = set(rollout.resident)
     offloaded = sum(i.nbytes for i in _megatron_state(cfg, lay, *_stage_params(arch, lay)[0])
                     if i.key not in kept and i.key != "grads")  # gradients are dropped, not copied
+    micro_batch = MicroBatchShape.of(cfg, seq, t.max_tokens_per_micro_batch).describe
+    if _logprob_budget(cfg):
+        micro_batch += f"; old/reference logprob passes {_logprob_budget(cfg)} tokens (forward only)"
     notes = (
-        f"sequence {seq} tokens (the engine context); micro-batch {t.micro_batch_size} x {seq} tokens",
+        f"sequence {seq} tokens (the engine context); micro-batch {micro_batch}",
         f"rollout: {kv_per_token / 1024:.1f} KiB of KV cache per token: {max(kv_cache, 0) // one_sequence} "
         f"full-length sequences at once (an iteration samples {responses}; the engine queues the rest)",
         f"host memory for the offloaded state: {_gib(offloaded)} GiB per GPU",
@@ -567,10 +665,22 @@ def _changes(cfg: Config, gpus: int, plan: MemoryPlan) -> list[tuple[list[str], 
     out: list[tuple[list[str], int]] = []
     util_min = math.ceil(100 * plan.engine_minimum / plan.gpu_mem_bytes) / 100
     if "training" in plan.failing:
+        training = plan.phase("training")
+        logits = sum(i.nbytes for i in training.items if i.key == "logits")
+        if not t.fused_linear_logprobs and logits >= GiB:
+            out.append((["trainer.fused_linear_logprobs=true"], gpus))
         if m.recompute != "full":
             out.append((["model.recompute=full"], gpus))
-        if t.micro_batch_size > 1:
+        # a budget must hold the longest sequence the engine can produce (the config's validation)
+        longest = r.max_model_len or r.sampling.max_prompt_length + r.sampling.max_response_length
+        budget, lp = t.max_tokens_per_micro_batch, t.logprob_max_tokens_per_micro_batch
+        if budget is not None:
+            if max(longest, budget // 2) < budget:
+                out.append(([f"trainer.max_tokens_per_micro_batch={max(longest, budget // 2)}"], gpus))
+        elif t.micro_batch_size > 1:
             out.append(([f"trainer.micro_batch_size={t.micro_batch_size // 2}"], gpus))
+        if "logprob pass" in training.title and lp is not None and max(longest, lp // 2) < lp:
+            out.append(([f"trainer.logprob_max_tokens_per_micro_batch={max(longest, lp // 2)}"], gpus))
         if p.tensor_model_parallel_size > 1 and not p.sequence_parallel:
             out.append((["parallel.sequence_parallel=true"], gpus))
         if not p.use_distributed_optimizer:

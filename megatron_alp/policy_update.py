@@ -18,15 +18,19 @@ from typing import Optional
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.module import Float16Module
+from megatron.core.utils import unwrap_model
 
 from megatron_alp.comm import comm_device
 from megatron_alp.config import LossConfig
-from megatron_alp.logprobs import token_logprobs
+from megatron_alp.logprobs import linear_token_logprobs, token_logprobs
 from megatron_alp.metrics import StepMetrics
+from megatron_alp.micro_batch import Batching, MicroBatch, micro_batches
+from megatron_alp.models.output_layer import emitting_hidden, output_weight
 from megatron_alp.perturbation import next_microbatch, perturbed_step
 from megatron_alp.policy_loss import LossInputs, policy_loss
-from megatron_alp.rl_batch import RLBatch, build_rl_batch, micro_batches
+from megatron_alp.rl_batch import RLBatch, build_rl_batch
 from megatron_alp.rollout.base import Trajectory
 from megatron_alp.rollout.weight_sync import mismatch_stats
 
@@ -35,63 +39,92 @@ def _pad_multiple(model_config) -> int:
     return ps.get_tensor_model_parallel_world_size() if model_config.sequence_parallel else 1
 
 
-def _positions(tokens: torch.Tensor) -> torch.Tensor:
-    return torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand(tokens.shape[0], -1)
+def _cut(model, batch: RLBatch, batching: Batching, pad_id: int, thd: bool) -> list[MicroBatch]:
+    """Micro-batches for ``model``'s layout: rows padded to the TP size under sequence parallelism;
+    packed into one THD row for Transformer Engine (of one length under pipeline parallelism: one
+    p2p shape per pass), into masked rows for Megatron's local attention."""
+    return micro_batches(batch, batching, pad_id=pad_id, pad_multiple=_pad_multiple(model.config), one_row=thd,
+                         equal_length=ps.get_pipeline_model_parallel_world_size() > 1)
 
 
-def _logits(model, tokens: torch.Tensor) -> torch.Tensor:
-    """This rank's logits ``[b, s, V/tp]`` in the model's own dtype. Megatron's Float16Module
-    (bf16/fp16 training) would upcast the whole tensor to fp32 on the last stage, several GiB per
-    micro-batch at V = 152k; :func:`token_logprobs` upcasts one chunk at a time instead."""
+def _takes_thd(model) -> bool:
+    """Whether the attention takes Megatron's THD packed layout (Transformer Engine); Megatron's
+    local DotProductAttention rejects it and gets a block-diagonal mask instead."""
+    return not any(isinstance(m, DotProductAttention) for m in unwrap_model(model).modules())
+
+
+def _forward(model, mb: MicroBatch, thd: bool) -> torch.Tensor:
+    """This rank's model output for a micro-batch ``[r, T, ...]`` in the model's own dtype: logits
+    ``[.., V/tp]``, or final hidden states ``[.., h]`` inside :func:`emitting_hidden`. Megatron's
+    Float16Module (bf16/fp16 training) would upcast the whole output to fp32 on the last stage,
+    several GiB per micro-batch at V = 152k; the logprob code upcasts one chunk at a time instead."""
     wrapped = model
     while not isinstance(wrapped, Float16Module) and hasattr(wrapped, "module"):
         wrapped = wrapped.module
     kwargs = {"fp32_output": False} if isinstance(wrapped, Float16Module) else {}
-    return model(tokens, _positions(tokens), None, **kwargs)
+    mask = None
+    if mb.packed and thd:
+        kwargs["packed_seq_params"] = mb.packed_seq_params()
+    elif mb.packed:
+        mask = mb.attention_mask()
+    return model(mb.tokens, mb.positions, mask, **kwargs)
 
 
-def _run(model, micro: list[RLBatch], step_fn, forward_only: bool):
+def _token_logprobs(model, output, mb: MicroBatch, *, fused: bool, temperature: float, with_entropy: bool):
+    """Logprobs (and entropy) of ``mb``'s targets, in its padded per-sequence view ``[n, L]``."""
+    tp_group = ps.get_tensor_model_parallel_group()
+    if fused:
+        lp, ent = linear_token_logprobs(output, output_weight(model), mb.targets, temperature=temperature,
+                                        tp_group=tp_group, with_entropy=with_entropy)
+    else:
+        lp, ent = token_logprobs(output, mb.targets, temperature=temperature, tp_group=tp_group,
+                                 with_entropy=with_entropy)
+    return mb.unpack(lp), (mb.unpack(ent) if ent is not None else None)
+
+
+def _run(model, micro: list[MicroBatch], step_fn, forward_only: bool):
     return get_forward_backward_func()(
         forward_step_func=step_fn,
         data_iterator=iter(micro),
         model=[model],
         num_microbatches=len(micro),
         seq_length=max(m.tokens.shape[1] for m in micro),
-        micro_batch_size=max(len(m) for m in micro),
+        micro_batch_size=max(m.tokens.shape[0] for m in micro),
         forward_only=forward_only,
     )
 
 
 @torch.no_grad()
 def compute_logprobs(
-    model, batch: RLBatch, *, micro_batch_size: int, temperature: float, pad_id: int
+    model, batch: RLBatch, *, batching: Batching, temperature: float, pad_id: int, fused: bool = True
 ) -> Optional[torch.Tensor]:
     """Unperturbed logprobs of ``batch.targets`` [N, L] (same order and width as ``batch``) on the
-    last pipeline stage; None on the other stages."""
+    last pipeline stage; None on the other stages. ``fused``: from hidden states and the output
+    weight (:func:`~megatron_alp.logprobs.linear_token_logprobs`), never materialising the logits."""
     model.eval()
     device = next(model.parameters()).device
-    order = torch.argsort(batch.lengths, descending=True, stable=True)
-    micro = micro_batches(batch, micro_batch_size, _pad_multiple(model.config), pad_id)
-    tp_group = ps.get_tensor_model_parallel_group()
+    thd = _takes_thd(model)
+    micro = _cut(model, batch, batching, pad_id, thd)
 
     def step_fn(data_iter, m):
         mb = next(data_iter).to(device)
-        logits = _logits(m, mb.tokens)
+        output = _forward(m, mb, thd)
 
-        def collect(output):
-            lp, _ = token_logprobs(output, mb.targets, temperature=temperature, tp_group=tp_group)
-            return output.new_zeros(()), {"logprobs": lp.float().cpu()}
+        def collect(out):
+            lp, _ = _token_logprobs(m, out, mb, fused=emits, temperature=temperature, with_entropy=False)
+            return out.new_zeros(()), {"logprobs": lp.float().cpu()}
 
-        return logits, collect
+        return output, collect
 
-    outs = _run(model, micro, step_fn, forward_only=True)
+    with emitting_hidden(model, fused) as emits:
+        outs = _run(model, micro, step_fn, forward_only=True)
     model.train()
     if not ps.is_pipeline_last_stage():
         return None
     result = torch.zeros(batch.tokens.shape, dtype=torch.float32)
-    for rows, out in zip(order.split(micro_batch_size), outs):
+    for mb, out in zip(micro, outs):
         lp = out["logprobs"]
-        result[rows, : min(lp.shape[1], result.shape[1])] = lp[:, : result.shape[1]]
+        result[mb.rows, : lp.shape[1]] = lp
     return result
 
 
@@ -100,7 +133,7 @@ def probe_mismatch(model, trajectories: list[Trajectory]) -> dict:
     ``trajectories`` against this model's (unperturbed), the same on every rank: the weight-sync
     check of :class:`~megatron_alp.rollout.distributed.DistributedRollout`."""
     batch = build_rl_batch(trajectories, torch.zeros(len(trajectories)), pad_id=0)
-    trainer_lp = compute_logprobs(model, batch, micro_batch_size=len(trajectories), temperature=1.0, pad_id=0)
+    trainer_lp = compute_logprobs(model, batch, batching=Batching(size=len(trajectories)), temperature=1.0, pad_id=0)
     stats = None
     if ps.is_pipeline_last_stage():
         keep = batch.loss_mask > 0
@@ -131,35 +164,36 @@ def train_mini_batch(
     *,
     loss_cfg: LossConfig,
     step: int,
-    micro_batch_size: int,
+    batching: Batching,
     temperature: float,
     pad_id: int,
     metrics: StepMetrics,
+    fused: bool = True,
 ) -> dict:
-    """One optimizer step on a mini-batch with the perturbed policy forward; returns step stats."""
+    """One optimizer step on a mini-batch with the perturbed policy forward; returns step stats
+    (``computed_tokens`` counts pad tokens too, ``tokens`` only the sequences')."""
     model.train()
     device = next(model.parameters()).device
-    micro = micro_batches(batch, micro_batch_size, _pad_multiple(model.config), pad_id)
+    thd = _takes_thd(model)
+    micro = _cut(model, batch, batching, pad_id, thd)
     tokens, seqs = global_counts(batch)
     scale = len(micro) * ps.get_data_parallel_world_size()
-    tp_group = ps.get_tensor_model_parallel_group()
 
     def step_fn(data_iter, m):
         mb = next(data_iter).to(device)
         next_microbatch(m)
-        logits = _logits(m, mb.tokens)
+        output = _forward(m, mb, thd)
 
-        def loss_fn(output):
-            lp, ent = token_logprobs(
-                output, mb.targets, temperature=temperature, tp_group=tp_group, with_entropy=True
-            )
+        def loss_fn(out):
+            lp, ent = _token_logprobs(m, out, mb, fused=emits, temperature=temperature, with_entropy=True)
+            b = mb.batch
             inputs = LossInputs(
                 logprobs=lp,
-                rollout_logprobs=mb.rollout_logprobs,
-                advantages=mb.advantages,
-                mask=mb.loss_mask,
-                old_logprobs=mb.old_logprobs,
-                ref_logprobs=mb.ref_logprobs,
+                rollout_logprobs=b.rollout_logprobs,
+                advantages=b.advantages,
+                mask=b.loss_mask,
+                old_logprobs=b.old_logprobs,
+                ref_logprobs=b.ref_logprobs,
                 entropy=ent,
                 global_tokens=tokens,
                 global_seqs=seqs,
@@ -168,15 +202,21 @@ def train_mini_batch(
             metrics.add(inputs, loss_metrics)
             return loss * scale, {"loss": loss.detach()}
 
-        return logits, loss_fn
+        return output, loss_fn
 
     for chunk in model_chunks(model):
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    with perturbed_step(model, step):
+    with perturbed_step(model, step), emitting_hidden(model, fused) as emits:
         _run(model, micro, step_fn, forward_only=False)
     ok, grad_norm, _ = optimizer.step()
-    return {"update_ok": bool(ok), "grad_norm": float(grad_norm) if grad_norm is not None else float("nan")}
+    return {
+        "update_ok": bool(ok),
+        "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+        "micro_batches": len(micro),
+        "computed_tokens": sum(m.computed_tokens for m in micro),
+        "tokens": int(batch.lengths.sum().item()),
+    }
 
 
 def model_chunks(model) -> list:

@@ -1,4 +1,4 @@
-"""Trajectories -> padded, target-aligned tensors, split over data-parallel ranks and micro-batches.
+"""Trajectories -> padded, target-aligned tensors, split over optimizer steps and data-parallel ranks.
 
 Position ``t`` of every per-token tensor describes the prediction of token ``t + 1`` from the
 logits at ``t``: ``targets[:, t] = tokens[:, t + 1]``, and ``loss_mask``, ``rollout_logprobs``,
@@ -9,11 +9,13 @@ prompt of length ``P`` therefore lives at index ``P - 1 + j``.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
+from megatron_alp.balance import partition
 from megatron_alp.rollout.base import Trajectory
 
 
@@ -81,27 +83,34 @@ def build_rl_batch(trajectories: list[Trajectory], advantages: torch.Tensor, pad
     return RLBatch(tokens, targets, mask, rollout, advantages.float().reshape(n), lengths)
 
 
-def dp_shard(batch: RLBatch, dp_rank: int, dp_size: int, mini_batches: int = 1) -> RLBatch:
-    """This data-parallel rank's rows: its contiguous share of each of the ``mini_batches`` equal
-    mini-batches, in order, so that :func:`mini_batches` of the shard gives this rank's part of
-    every optimizer step and each step trains on the same rows whatever the data-parallel size
-    (sizes checked by the trainer)."""
-    per_mini = len(batch) // mini_batches
-    per = per_mini // dp_size
-    starts = [m * per_mini + dp_rank * per for m in range(mini_batches)]
-    return batch.select(torch.cat([torch.arange(s, s + per) for s in starts]))
+def dp_assignment(rows: int, dp_size: int, mini_batches: int = 1,
+                  costs: Optional[Sequence[float]] = None) -> list[list[list[int]]]:
+    """Row indices of each data-parallel rank in each of ``mini_batches`` equal mini-batches (in
+    order): ``out[m][r]``. Each optimizer step trains on the same rows whatever the data-parallel size
+    (sizes checked by the trainer). Without ``costs`` a rank takes a contiguous equal share of each
+    mini-batch; with ``costs`` (one per row, e.g. :func:`~megatron_alp.balance.sequence_cost`) the
+    rows are split by greedy LPT on cost, the same split on every rank, and counts may differ."""
+    per_mini = rows // mini_batches
+    out = []
+    for m in range(mini_batches):
+        start = m * per_mini
+        if costs is None:
+            per = per_mini // dp_size
+            out.append([list(range(start + r * per, start + (r + 1) * per)) for r in range(dp_size)])
+        else:
+            split = partition([costs[i] for i in range(start, start + per_mini)], dp_size)
+            out.append([[start + i for i in part] for part in split])
+    return out
 
 
-def mini_batches(batch: RLBatch, count: int) -> list[RLBatch]:
-    """Split into ``count`` equal mini-batches (one optimizer step each), in order."""
-    per = len(batch) // count
-    return [batch.select(slice(i * per, (i + 1) * per)) for i in range(count)]
+def dp_shard(batch: RLBatch, assignment: list[list[list[int]]], dp_rank: int) -> tuple[RLBatch, list[int]]:
+    """This rank's rows of every mini-batch of :func:`dp_assignment`, in order, and how many of
+    them belong to each mini-batch (for :func:`mini_batches`)."""
+    rows = [part[dp_rank] for part in assignment]
+    return batch.select(torch.tensor([i for r in rows for i in r], dtype=torch.long)), [len(r) for r in rows]
 
 
-def micro_batches(batch: RLBatch, size: int, pad_multiple: int, pad_id: int) -> list[RLBatch]:
-    """Micro-batches of ``size`` rows, grouped by length so each is padded as little as possible."""
-    order = torch.argsort(batch.lengths, descending=True, stable=True)
-    return [
-        batch.select(order[i: i + size]).pad_to_multiple(pad_multiple, pad_id)
-        for i in range(0, len(batch), size)
-    ]
+def mini_batches(batch: RLBatch, sizes: Sequence[int]) -> list[RLBatch]:
+    """Consecutive mini-batches of ``sizes`` rows (one optimizer step each)."""
+    bounds = [0, *itertools.accumulate(sizes)]
+    return [batch.select(slice(a, b)) for a, b in zip(bounds, bounds[1:])]

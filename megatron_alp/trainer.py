@@ -355,13 +355,31 @@ class RLTrainer:
         dist.broadcast(rewards, src=0)
         return rewards.cpu()
 
+    def _dp_shard(self, batch):
+        """This data-parallel rank's rows and their mini-batch sizes, and the imbalance of the split
+        (max / mean estimated cost per rank, worst mini-batch) with and without balancing."""
+        from megatron_alp.balance import imbalance, sequence_cost
+        from megatron_alp.rl_batch import dp_assignment, dp_shard
+
+        t, dp = self.cfg.trainer, self.ps.get_data_parallel_world_size()
+        hidden = self.args.transformer["hidden_size"]
+        costs = [sequence_cost(n, hidden) for n in batch.lengths.tolist()]
+        split = {balanced: dp_assignment(len(batch), dp, t.updates_per_iteration, costs if balanced else None)
+                 for balanced in {False, t.balance_data_parallel}}
+        worst = {b: max(imbalance([sum(costs[i] for i in rows) for rows in part]) for part in a)
+                 for b, a in split.items()}
+        local, sizes = dp_shard(batch, split[t.balance_data_parallel], self.ps.get_data_parallel_rank())
+        return local, sizes, {"batch/dp_imbalance": worst[t.balance_data_parallel],
+                              "batch/dp_imbalance_unbalanced": worst[False]}
+
     def train_iteration(self) -> dict:
         from megatron_alp.advantages import group_advantages
         from megatron_alp.metrics import StepMetrics
         from megatron_alp.optim import learning_rates
         from megatron_alp.perturbation import gather_sigma_stats
         from megatron_alp.policy_update import compute_logprobs, train_mini_batch
-        from megatron_alp.rl_batch import build_rl_batch, dp_shard, mini_batches
+        from megatron_alp.micro_batch import Batching
+        from megatron_alp.rl_batch import build_rl_batch, mini_batches
 
         cfg, ps = self.cfg, self.ps
         timing = {}
@@ -382,20 +400,21 @@ class RLTrainer:
         timing["timing/reward_s"] = time.time() - t0
 
         batch = build_rl_batch(trajectories, advantages, self.pad_id)
-        local = dp_shard(batch, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
-                         cfg.trainer.updates_per_iteration)
+        local, sizes, balance_stats = self._dp_shard(batch)
+        timing.update(balance_stats)
         temperature = cfg.rollout.sampling.temperature
-        mbs = cfg.trainer.micro_batch_size
+        fused = cfg.trainer.fused_linear_logprobs
+        logprob_batching = Batching.for_logprobs(cfg.trainer)
         t0 = time.time()
         _reset_peak_memory()
         if self.need_old:
-            local.old_logprobs = compute_logprobs(self.policy, local, micro_batch_size=mbs,
-                                                  temperature=temperature, pad_id=self.pad_id)
+            local.old_logprobs = compute_logprobs(self.policy, local, batching=logprob_batching,
+                                                  temperature=temperature, pad_id=self.pad_id, fused=fused)
         timing["timing/old_logprob_s"] = time.time() - t0
         t0 = time.time()
         if self.reference is not None:
-            local.ref_logprobs = compute_logprobs(self.reference, local, micro_batch_size=mbs,
-                                                  temperature=temperature, pad_id=self.pad_id)
+            local.ref_logprobs = compute_logprobs(self.reference, local, batching=logprob_batching,
+                                                  temperature=temperature, pad_id=self.pad_id, fused=fused)
         timing["timing/ref_logprob_s"] = time.time() - t0
         timing.update(_memory("logprob"))
 
@@ -403,11 +422,12 @@ class RLTrainer:
         _reset_peak_memory()
         step_stats = []
         metric_sets = []
-        for mini in mini_batches(local, cfg.trainer.updates_per_iteration):
+        for mini in mini_batches(local, sizes):
             metrics = StepMetrics()
             stats = train_mini_batch(
                 self.policy, self.optimizer, mini, loss_cfg=cfg.loss, step=self.step,
-                micro_batch_size=mbs, temperature=temperature, pad_id=self.pad_id, metrics=metrics,
+                batching=Batching.for_update(cfg.trainer), temperature=temperature, pad_id=self.pad_id,
+                metrics=metrics, fused=fused,
             )
             self.scheduler.step(1)
             self.step += 1
@@ -436,6 +456,9 @@ class RLTrainer:
             from megatron_alp.tir.multi_turn import tir_metrics
 
             out.update(tir_metrics(trajectories))
+        out["batch/micro_batches"] = float(np.mean([s["micro_batches"] for s in step_stats]))
+        out["batch/padding_frac"] = 1.0 - sum(s["tokens"] for s in step_stats) / max(
+            1, sum(s["computed_tokens"] for s in step_stats))
         out["grad_norm"] = float(np.mean([s["grad_norm"] for s in step_stats]))
         out["update/skipped"] = float(sum(not s["update_ok"] for s in step_stats))
         out.update(learning_rates(self.optimizer))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_alp.logprobs import reference_token_logprobs, token_logprobs
+from megatron_alp.logprobs import linear_token_logprobs, reference_token_logprobs, token_logprobs
 
 
 def _random(b, s, v, dtype, seed=0):
@@ -194,3 +194,112 @@ def test_temperature_matches_vllm_processed_logprobs(tiny_qwen2, tmp_path, monke
             worst_raw = min(worst_raw, (raw[0] - engine).abs().max().item())
     assert worst_tempered < 1e-4, f"max |token_logprobs(T) - vLLM| = {worst_tempered}"
     assert worst_raw > 10 * worst_tempered, "temperature made no measurable difference: test is not meaningful"
+
+
+# ---- the fused output layer + logprob path: linear_token_logprobs(hidden, weight, targets)
+
+
+def _truth(hidden, weight, targets, temperature, with_entropy):
+    """log_softmax of the materialised logits, computed in fp64 from the given (rounded) inputs'
+    logits as F.linear makes them in the input dtype."""
+    logits = torch.nn.functional.linear(hidden, weight).double() / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return lp, (-(logp.exp() * logp).sum(-1) if with_entropy else None)
+
+
+def _linear_case(dtype, seed=0, b=2, s=9, h=16, v=50):
+    g = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(b, s, h, generator=g) * 2).to(dtype)
+    weight = torch.randn(v, h, generator=g).to(dtype)
+    return hidden, weight, torch.randint(0, v, (b, s), generator=g), torch.randn(b, s, generator=g), torch.randn(b, s, generator=g)
+
+
+def _linear_grads(fn, hidden, weight, targets, up_lp, up_ent, temperature, with_entropy, use_lp=True, **kw):
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp, ent = fn(h, w, targets, temperature, with_entropy, **kw)
+    loss = (lp * up_lp.to(lp.dtype)).sum() if use_lp else 0.0
+    if with_entropy:
+        loss = loss + (ent * up_ent.to(ent.dtype)).sum()
+    grad_h, grad_w = torch.autograd.grad(loss, (h, w))
+    return lp.detach(), (ent.detach() if ent is not None else None), grad_h, grad_w
+
+
+def _fused_linear(h, w, t, temperature, with_entropy, **kw):
+    return linear_token_logprobs(h, w, t, temperature=temperature, with_entropy=with_entropy, **kw)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 1e-4)])
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 1.7])
+@pytest.mark.parametrize("with_entropy, use_lp", [(False, True), (True, True), (True, False)])
+@pytest.mark.parametrize("chunks", [{}, {"chunk_tokens": 4, "chunk_vocab": 7}, {"chunk_tokens": 1, "chunk_vocab": 1}])
+def test_linear_path_matches_log_softmax_of_the_logits(dtype, tol, temperature, with_entropy, use_lp, chunks):
+    """Values and gradients (hidden and weight) equal autograd through the materialised logits;
+    fp64 to rounding, fp32 within 1e-4 (logits of magnitude ~30 carry ~3e-6 rounding each)."""
+    case = _linear_case(dtype)
+    got = _linear_grads(_fused_linear, *case, temperature, with_entropy, use_lp, **chunks)
+    ref = _linear_grads(_truth, *case, temperature, with_entropy, use_lp)
+    assert got[0].dtype == torch.promote_types(dtype, torch.float32) and got[0].shape == case[2].shape
+    for a, b in zip(got, ref):
+        if a is None:
+            assert b is None and not with_entropy
+            continue
+        assert torch.allclose(a.double(), b.double(), atol=tol, rtol=0), (a - b).abs().max()
+
+
+def test_linear_path_in_bf16_is_closer_to_the_truth_than_bf16_autograd():
+    """bf16 hidden/weight: the forward GEMM runs in bf16 as in the model, the softmax and both
+    gradients in fp32, so values and gradients are at least as close to fp64 arithmetic on the same
+    inputs as autograd through bf16 logits (which also rounds the logits' gradient to bf16)."""
+    hidden, weight, targets, up_lp, up_ent = _linear_case(torch.bfloat16, s=33, h=64, v=500)
+    got = _linear_grads(_fused_linear, hidden, weight, targets, up_lp, up_ent, 0.8, True)
+    truth = _linear_grads(_truth, hidden.double(), weight.double(), targets, up_lp, up_ent, 0.8, True)
+
+    def plain(h, w, t, temperature, with_entropy):
+        return reference_token_logprobs(torch.nn.functional.linear(h, w), t, temperature, with_entropy)
+
+    naive = _linear_grads(plain, hidden, weight, targets, up_lp, up_ent, 0.8, True)
+    assert got[2].dtype == got[3].dtype == torch.bfloat16
+    for i in (0, 1):  # the bf16 logits round to ~1 part in 256
+        assert (got[i].double() - truth[i]).abs().max() <= (naive[i].double() - truth[i]).abs().max() * 1.01 + 1e-6
+    for i in (2, 3):
+        err = (got[i].double() - truth[i].double()).abs().max()
+        naive_err = (naive[i].double() - truth[i].double()).abs().max()
+        assert err <= naive_err * 1.01 + 1e-6, (i, err, naive_err)
+
+
+def test_linear_path_keeps_no_logits():
+    """The graph keeps the hidden states, a reference to the weight and a few numbers per token;
+    autograd through the logits keeps at least the [tokens, vocab] logits."""
+    hidden, weight, targets, _, _ = _linear_case(torch.float32, s=64, h=32, v=4096)
+
+    def saved_bytes(fn):
+        sizes = {}
+
+        def pack(t):
+            sizes[t.data_ptr()] = t.numel() * t.element_size()
+            return t
+
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(h, w, targets, 1.0, True)
+        return sum(v for p, v in sizes.items() if p not in (h.data_ptr(), w.data_ptr()))
+
+    n_tokens = targets.numel()
+    fused, plain = saved_bytes(_fused_linear), saved_bytes(_truth)
+    assert fused <= 64 * n_tokens, f"the fused linear path saved {fused} bytes beyond hidden and weight"
+    assert plain >= n_tokens * 4096 * 4
+
+
+def test_linear_path_bad_inputs_are_named():
+    hidden, weight, targets, _, _ = _linear_case(torch.float32)
+    with pytest.raises(ValueError, match=r"weight: expected \[vocab/tp, 16\]"):
+        linear_token_logprobs(hidden, weight[:, :8], targets)
+    with pytest.raises(ValueError, match="weight: .* in torch.float32"):
+        linear_token_logprobs(hidden, weight.double(), targets)
+    with pytest.raises(ValueError, match="targets: token id 50 is outside"):
+        linear_token_logprobs(hidden, weight, torch.full_like(targets, 50))
+    with pytest.raises(ValueError, match="chunk_vocab must be >= 1"):
+        linear_token_logprobs(hidden, weight, targets, chunk_vocab=0)
+    with pytest.raises(ValueError, match="hidden: expected"):
+        linear_token_logprobs(hidden[0], weight, targets[0])

@@ -30,7 +30,8 @@ def items(phase) -> dict[str, int]:
 
 
 def test_qwen25_math_15b_on_one_node_by_hand():
-    """Dense, tied embeddings, q/k/v biases, TP1 x DP8, no recomputation, micro-batch 4 x 4096."""
+    """Dense, tied embeddings, q/k/v biases, TP1 x DP8, no recomputation, a 16384-token micro-batch
+    (4 x the 4096-token context), fused linear logprobs."""
     h, heads, kv_heads, d, ffn, layers, vocab = 1536, 12, 2, 128, 8960, 28, 151936
     q, kv = heads * d, kv_heads * d
     layer = h * (q + 2 * kv) + (q + 2 * kv) + q * h + 3 * h * ffn + 2 * h  # qkv + bias, o, gate/up/down, 2 norms
@@ -39,17 +40,22 @@ def test_qwen25_math_15b_on_one_node_by_hand():
 
     plan = memory_plan(config("qwen2.5-math-1.5b_token_alp.yaml"), gpus=8, gpu_mem_gib=H100)
     train = items(plan.phase("training"))
-    tokens = 4 * (2048 + 2048)
+    tokens = 16384  # trainer.max_tokens_per_micro_batch
     per_token_layer = 2 * (4 * h) + 2 * (2 * q + 2 * kv) + 2 * (3 * ffn)  # norm/linear inputs, Q K V + attn out, SwiGLU
     assert train == {
         "weights": params * 2, "reference": params * 2, "grads": params * 4,
         "optimizer": 12 * -(-params // 8),  # fp32 master + Adam m, v over DP8
         "activations": layers * tokens * per_token_layer,
-        "logits": tokens * vocab * (2 + 2),  # bf16 logits (no fp32 upcast) and their bf16 gradient
+        "hidden": tokens * h * 2,  # bf16 final hidden states: no [tokens, vocab] logits (fused_linear_logprobs)
+        "hidden_grad": tokens * h * 4,  # their fp32 gradient accumulator
         "logprob_chunks": 2 * 2**26 * 4,  # two fp32 chunks alive at once: shifted logits, exp
+        "token_stats": tokens * 8 * 4,  # a handful of fp32 statistics per token
         "runtime": 3 * GiB, "engine": 1 * GiB,
     }
-    assert per_token_layer == 73216 and plan.phase("training").total == pytest.approx(58.71 * GiB, abs=0.01 * GiB)
+    assert per_token_layer == 73216 and plan.phase("training").total == pytest.approx(49.58 * GiB, abs=0.01 * GiB)
+    assert plan.phase("training").title == "training (policy update)"
+    assert ("micro-batch 16384 tokens (token budget, padded); old/reference logprob passes 32768 tokens "
+            "(forward only)") in plan.report()
 
     roll = items(plan.phase("rollout"))
     engine_weights = params * 2
@@ -82,8 +88,8 @@ def test_qwen3_30b_a3b_on_two_nodes_by_hand():
         "weights": (dense + expert) * 2, "reference": (dense + expert) * 2, "grads": (dense + expert) * 4,
         "optimizer": 12 * (-(-dense // 16) + -(-expert // 2)),  # dense over DP16, experts over expert-DP2
         "activations": layers * tokens * 2 * h + tokens * one_layer,  # layer inputs + one recomputed layer
-        "logits": tokens * vocab * 2 * 2, "logprob_chunks": 2 * 2**26 * 4,
-        "runtime": 3 * GiB, "engine": 1 * GiB,
+        "hidden": tokens * h * 2, "hidden_grad": tokens * h * 4, "logprob_chunks": 2 * 2**26 * 4,
+        "token_stats": tokens * 8 * 4, "runtime": 3 * GiB, "engine": 1 * GiB,
     }
     megatron_state = sum(train[k] for k in ("weights", "reference", "grads", "optimizer"))
     assert megatron_state == pytest.approx(59.8 * GiB, abs=0.1 * GiB)
@@ -102,13 +108,17 @@ def test_qwen3_30b_a3b_on_two_nodes_by_hand():
     assert state == pytest.approx(81.1 * GiB, abs=0.1 * GiB)
     assert not one_node.fits and one_node.failing == ("training",)
     assert any(a.startswith("--gpus 16 ") for a in one_node.advice)
+    # its 4096-token budget is the engine context already, the least the config validation allows
+    assert not any("max_tokens_per_micro_batch" in a or "micro_batch_size" in a for a in one_node.advice)
 
 
 def test_pipeline_stages_count_the_fullest():
     """Qwen2.5-32B, TP4 + SP x PP2, one rollout replica. The first stage holds the embedding, two
-    micro-batches in flight and the sleeping engine; the last holds the output layer, the logits and
-    their gradient (bf16) and the logprob chunks. At micro-batch 1 the first is the fuller, at
-    micro-batch 4 the last. With a replica on every 4 GPUs both stages hold a sleeping engine."""
+    micro-batches in flight and the sleeping engine; the last holds the output layer and what turns
+    its output into logprobs. At 4096 tokens per micro-batch the first is the fuller; at 16384 the
+    last when it makes the logits and their gradient (bf16), the first with fused linear logprobs,
+    which keep only the hidden states. With a replica on every 4 GPUs both stages hold a sleeping
+    engine."""
     h, heads, kv_heads, d, ffn, layers, vocab = 5120, 40, 8, 128, 27648, 64, 152064
     q, kv = heads * d, kv_heads * d
     layer = (h * (q + 2 * kv) + (q + 2 * kv) + q * h + 3 * h * ffn) // 4 + 2 * h  # TP4 splits the matrices
@@ -128,8 +138,8 @@ def test_pipeline_stages_count_the_fullest():
     }
     assert plan.fits
 
-    wide = memory_plan(config("qwen2.5-32b_seq_alp.yaml", "trainer.micro_batch_size=4", "rollout.replicas=1"),
-                       gpus=16, gpu_mem_gib=H100)
+    unfused = ("trainer.max_tokens_per_micro_batch=16384", "trainer.fused_linear_logprobs=false")
+    wide = memory_plan(config("qwen2.5-32b_seq_alp.yaml", *unfused, "rollout.replicas=1"), gpus=16, gpu_mem_gib=H100)
     train = items(wide.phase("training"))
     assert wide.phase("training").where == "last pipeline stage"
     tokens = 4 * 4096
@@ -141,11 +151,131 @@ def test_pipeline_stages_count_the_fullest():
         "runtime": 3 * GiB,
     }
     assert train == last_stage
+    rows = memory_plan(config("qwen2.5-32b_seq_alp.yaml", "trainer.max_tokens_per_micro_batch=null",
+                              "trainer.logprob_max_tokens_per_micro_batch=null", "trainer.micro_batch_size=4",
+                              "trainer.fused_linear_logprobs=false", "rollout.replicas=1"), gpus=16, gpu_mem_gib=H100)
+    assert items(rows.phase("training")) == last_stage  # 4 rows x 4096 = the same 16384 tokens
+    assert "micro-batch 4 x 4096 tokens\n" in rows.report()
 
-    replicas = memory_plan(config("qwen2.5-32b_seq_alp.yaml", "trainer.micro_batch_size=4", "rollout.replicas=4"),
+    fused = memory_plan(config("qwen2.5-32b_seq_alp.yaml", "trainer.max_tokens_per_micro_batch=16384",
+                               "rollout.replicas=1"), gpus=16, gpu_mem_gib=H100)
+    assert fused.phase("training").where == "first pipeline stage"
+    assert items(fused.phase("training"))["activations"] == int(2 * 32 * tokens * 2 * h / 4 + tokens * per_token_layer)
+    # 16 prompts x 8 / (DP2 x 16 updates) = 4 full-length sequences per rank and update: one
+    # micro-batch of 16384 tokens, two of 8192
+    for budget, in_flight in ((16384, 1), (8192, 2)):
+        few = memory_plan(config("qwen2.5-32b_seq_alp.yaml", "trainer.prompts_per_iteration=16", "rollout.replicas=1",
+                                 f"trainer.max_tokens_per_micro_batch={budget}"), gpus=16, gpu_mem_gib=H100)
+        assert few.phase("training").where == "first pipeline stage"
+        assert items(few.phase("training"))["activations"] == int(in_flight * 32 * budget * 2 * h / 4
+                                                                  + budget * per_token_layer)
+
+    replicas = memory_plan(config("qwen2.5-32b_seq_alp.yaml", *unfused, "rollout.replicas=4"),
                            gpus=16, gpu_mem_gib=H100)
     assert items(replicas.phase("training")) == {**last_stage, "engine": 1 * GiB}  # GPUs 8-15 hold 2 replicas
     assert "4 replicas" in replicas.layout
+
+
+# Qwen2.5-Math-1.5B at TP1: hidden size, heads, vocabulary, layers, activation bytes per token and layer
+H, HEADS, VOCAB, LAYERS = 1536, 12, 151936, 28
+PER_TOKEN_LAYER = 2 * (4 * H) + 2 * (2 * 12 * 128 + 2 * 2 * 128) + 2 * (3 * 8960)
+
+
+def test_token_budget_sets_the_micro_batch_tokens():
+    """With ``max_tokens_per_micro_batch`` the update's micro-batch is that many tokens, whatever
+    ``micro_batch_size`` says; without it, ``micro_batch_size`` rows of the engine context."""
+    for budget in (4096, 8192, 16384, 24576):
+        plan = memory_plan(config("qwen2.5-math-1.5b_grpo.yaml", f"trainer.max_tokens_per_micro_batch={budget}"),
+                           8, H100)
+        train = items(plan.phase("training"))
+        assert train["activations"] == LAYERS * budget * PER_TOKEN_LAYER
+        assert (train["hidden"], train["hidden_grad"], train["token_stats"]) == (
+            budget * H * 2, budget * H * 4, budget * 8 * 4)
+        assert f"micro-batch {budget} tokens (token budget, padded)" in plan.report()
+    one_row = memory_plan(config("qwen2.5-math-1.5b_grpo.yaml", "trainer.micro_batch_size=1"), 8, H100)
+    assert items(one_row.phase("training"))["activations"] == LAYERS * 16384 * PER_TOKEN_LAYER  # the budget rules
+
+    rows = memory_plan(config("qwen2.5-math-1.5b_grpo.yaml", "trainer.max_tokens_per_micro_batch=null",
+                              "trainer.logprob_max_tokens_per_micro_batch=null", "trainer.micro_batch_size=2"), 8, H100)
+    assert items(rows.phase("training"))["activations"] == LAYERS * 2 * 4096 * PER_TOKEN_LAYER
+    assert "micro-batch 2 x 4096 tokens\n" in rows.report() and "logprob passes" not in rows.report()
+
+
+def test_local_attention_probs_of_padded_and_packed_micro_batches():
+    """Unfused attention (``layer_spec: local``) keeps ``b x heads/TP`` probabilities per layer for
+    each row's length squared: padded rows of the 4096-token context under a budget, or one packed
+    row of the whole budget (block-diagonal mask over T x T scores). TE's flash attention keeps none."""
+    def activations(*overrides):
+        plan = memory_plan(config("qwen2.5-math-1.5b_grpo.yaml", *overrides), 8, 400.0)  # room: no advice search
+        return items(plan.phase("training"))["activations"]
+
+    local = "model.layer_spec=local"
+    flash = LAYERS * 16384 * PER_TOKEN_LAYER
+    assert activations(local) == LAYERS * (16384 * PER_TOKEN_LAYER + 2 * HEADS * 4 * 4096**2)  # 4 full rows
+    assert activations(local, "trainer.sequence_packing=true") == LAYERS * (
+        16384 * PER_TOKEN_LAYER + 2 * HEADS * 16384**2)
+    # 8191 tokens: one full row (4096^2) or, worse, two rows of 4095
+    assert activations(local, "trainer.max_tokens_per_micro_batch=8191") == LAYERS * (
+        8191 * PER_TOKEN_LAYER + 2 * HEADS * 2 * 4095**2)
+    rows = ("trainer.max_tokens_per_micro_batch=null", "trainer.logprob_max_tokens_per_micro_batch=null",
+            "trainer.micro_batch_size=3")
+    assert activations(local, *rows) == LAYERS * (3 * 4096 * PER_TOKEN_LAYER + 2 * HEADS * 3 * 4096**2)
+    assert activations("model.layer_spec=te", "trainer.sequence_packing=true") == flash
+    assert activations(local, "trainer.sequence_packing=true", "model.recompute=selective") == flash
+
+
+def test_fused_linear_logprobs_replace_the_logits():
+    """The fused path keeps the bf16 hidden states, their fp32 gradient and a few fp32 numbers per
+    token in place of the [tokens, vocab/TP] logits and their gradient; without it, the plan that
+    does not fit suggests it."""
+    tokens = 16384
+    fused = memory_plan(config("qwen2.5-math-1.5b_token_alp.yaml"), 8, H100)
+    unfused = memory_plan(config("qwen2.5-math-1.5b_token_alp.yaml", "trainer.fused_linear_logprobs=false"), 8, H100)
+    a, b = items(fused.phase("training")), items(unfused.phase("training"))
+    assert set(b) - set(a) == {"logits"} and set(a) - set(b) == {"hidden", "hidden_grad", "token_stats"}
+    assert b["logits"] == tokens * VOCAB * (2 + 2)
+    assert (a["hidden"], a["hidden_grad"], a["token_stats"]) == (tokens * H * 2, tokens * H * 4, tokens * 8 * 4)
+    assert a["logprob_chunks"] == b["logprob_chunks"] == 2 * 2**26 * 4
+    assert unfused.phase("training").total - fused.phase("training").total == tokens * (VOCAB * 4 - H * 6 - 32)
+    assert unfused.phase("training").total == pytest.approx(58.71 * GiB, abs=0.01 * GiB)  # the plan before fusing
+
+    small = memory_plan(config("qwen2.5-math-1.5b_token_alp.yaml", "trainer.fused_linear_logprobs=false"), 8, 60.0)
+    assert small.failing == ("training",)
+    assert small.advice[0].startswith("trainer.fused_linear_logprobs=true  (fits: training 49.58 GiB")
+    assert not any("fused_linear_logprobs" in x for x in memory_plan(
+        config("qwen2.5-math-1.5b_token_alp.yaml", "trainer.max_tokens_per_micro_batch=32768"), 8, H100).advice)
+
+
+def test_failing_budget_suggests_a_smaller_budget_not_below_the_context():
+    big = memory_plan(config("qwen2.5-math-1.5b_grpo.yaml", "trainer.max_tokens_per_micro_batch=32768"), 8, H100)
+    assert big.failing == ("training",)
+    assert items(big.phase("training"))["activations"] == LAYERS * 32768 * PER_TOKEN_LAYER
+    assert any(x.startswith("trainer.max_tokens_per_micro_batch=16384  (fits") for x in big.advice)
+    assert not any("micro_batch_size" in x for x in big.advice)  # ignored under a budget
+    odd = memory_plan(config("qwen2.5-math-1.5b_grpo.yaml", "trainer.max_tokens_per_micro_batch=6000"), 8, 30.0)
+    assert odd.failing == ("training",)
+    assert any(x.startswith("trainer.max_tokens_per_micro_batch=4096  (fits") for x in odd.advice)  # 3000 < 4096
+
+
+def test_forward_only_logprob_passes_count_when_their_budget_makes_them_fuller():
+    """The old/reference passes keep no activations for a backward: one layer's, and the output
+    without its gradient, at ``logprob_max_tokens_per_micro_batch`` tokens."""
+    lp = 131072
+    plan = memory_plan(config("qwen2.5-math-1.5b_grpo.yaml", "trainer.fused_linear_logprobs=false",
+                              f"trainer.logprob_max_tokens_per_micro_batch={lp}"), 8, H100)
+    training = plan.phase("training")
+    assert training.title == "training (old/reference logprob pass)"
+    train = items(training)
+    assert {k: train[k] for k in ("activations", "logits", "logprob_chunks")} == {
+        "activations": lp * PER_TOKEN_LAYER, "logits": lp * VOCAB * 2, "logprob_chunks": 2 * 2**26 * 4}
+    assert "hidden" not in train and "hidden_grad" not in train
+    fused = memory_plan(config("qwen2.5-math-1.5b_grpo.yaml", f"trainer.logprob_max_tokens_per_micro_batch={lp}"),
+                        8, H100)
+    assert fused.phase("training").title == "training (policy update)"  # hidden states only: the update is fuller
+    small = memory_plan(config("qwen2.5-math-1.5b_grpo.yaml", "trainer.fused_linear_logprobs=false",
+                               f"trainer.logprob_max_tokens_per_micro_batch={lp}"), 8, 64.0)
+    assert small.problems[0].startswith("training (old/reference logprob pass) needs 64.19 GiB")
+    assert any(x.startswith(f"trainer.logprob_max_tokens_per_micro_batch={lp // 2}  (fits") for x in small.advice)
 
 
 @pytest.mark.parametrize("path", GPU_CONFIGS, ids=lambda p: p.name)

@@ -55,8 +55,8 @@ def test_model_parallel_update_equals_data_parallel(updates, layout, name):
     assert got == pytest.approx(ref, rel=2e-3, abs=2e-3)
 
 
-def test_bf16_logits_reach_the_logprob_code_in_bf16(updates):
-    """The chunked logprob code upcasts per chunk; the full logits must not arrive as an fp32 copy."""
-    assert updates["logits_dtypes"]["dp2_bf16"] == ["torch.bfloat16"]
-    assert updates["logits_dtypes"]["dp2"] == ["torch.float32"]
+def test_bf16_outputs_reach_the_logprob_code_in_bf16(updates):
+    """The chunked logprob code upcasts per chunk; the model output must not arrive as an fp32 copy."""
+    assert updates["output_dtypes"]["dp2_bf16"] == ["torch.bfloat16"]
+    assert updates["output_dtypes"]["dp2"] == ["torch.float32"]
 

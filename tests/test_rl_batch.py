@@ -1,8 +1,12 @@
 """Packing trajectories into target-aligned tensors and splitting them."""
 
+import random
+
+import pytest
 import torch
 
-from megatron_alp.rl_batch import build_rl_batch, dp_shard, micro_batches, mini_batches
+from megatron_alp.balance import imbalance
+from megatron_alp.rl_batch import build_rl_batch, dp_assignment, dp_shard, mini_batches
 from megatron_alp.rollout.base import Trajectory
 
 
@@ -28,29 +32,39 @@ def test_alignment_token_by_token():
     assert b.loss_mask[2].sum() == 0 and b.lengths.tolist() == [5, 5, 2]
 
 
-def test_splits_keep_every_row_once():
+def test_contiguous_split_keeps_every_row_once():
     trajs = [_traj([1] * (i % 3 + 1), [2] * (i % 5 + 1)) for i in range(16)]
     b = build_rl_batch(trajs, torch.arange(16.0), pad_id=0)
-    shard = dp_shard(b, dp_rank=1, dp_size=2)
-    assert shard.advantages.tolist() == list(range(8, 16))
-    minis = mini_batches(shard, 2)
-    assert [m.advantages.tolist() for m in minis] == [list(range(8, 12)), list(range(12, 16))]
-    micro = micro_batches(minis[0], size=3, pad_multiple=2, pad_id=0)
-    assert sorted(a for m in micro for a in m.advantages.tolist()) == list(range(8, 12))
-    assert all(m.tokens.shape[1] % 2 == 0 for m in micro)
-    # longest first, so the first micro-batch holds the longest row and the last is narrow
-    assert micro[0].lengths.max() >= micro[-1].lengths.max()
-    total_mask = sum(m.loss_mask.sum() for m in micro)
-    assert total_mask == minis[0].loss_mask.sum()
+    shard, sizes = dp_shard(b, dp_assignment(16, 2), dp_rank=1)
+    assert shard.advantages.tolist() == list(range(8, 16)) and sizes == [8]
+    shard, sizes = dp_shard(b, dp_assignment(16, 2, mini_batches=2), dp_rank=1)
+    assert [m.advantages.tolist() for m in mini_batches(shard, sizes)] == [list(range(4, 8)), list(range(12, 16))]
 
 
-def test_each_optimizer_step_trains_on_the_same_rows_whatever_the_data_parallel_size():
+def _steps(b, dp: int, costs=None) -> list[list[float]]:
+    steps = [[] for _ in range(2)]
+    for rank in range(dp):
+        shard, sizes = dp_shard(b, dp_assignment(len(b), dp, 2, costs), rank)
+        for k, m in enumerate(mini_batches(shard, sizes)):
+            steps[k] += m.advantages.tolist()
+    return [sorted(s) for s in steps]
+
+
+@pytest.mark.parametrize("balanced", [False, True])
+def test_each_optimizer_step_trains_on_the_same_rows_whatever_the_data_parallel_size(balanced):
     b = build_rl_batch([_traj([1], [2] * (i % 5 + 1)) for i in range(16)], torch.arange(16.0), pad_id=0)
-    one_rank = [m.advantages.tolist() for m in mini_batches(dp_shard(b, 0, 1, mini_batches=2), 2)]
-    assert one_rank == [list(range(8)), list(range(8, 16))]
+    costs = b.lengths.float().tolist() if balanced else None
+    assert _steps(b, 1, costs) == [list(range(8)), list(range(8, 16))]
     for dp in (2, 4):
-        steps = [[] for _ in range(2)]
-        for rank in range(dp):
-            for k, m in enumerate(mini_batches(dp_shard(b, rank, dp, mini_batches=2), 2)):
-                steps[k] += m.advantages.tolist()
-        assert steps == one_rank
+        assert _steps(b, dp, costs) == [list(range(8)), list(range(8, 16))]
+
+
+def test_balanced_split_evens_out_long_tailed_costs():
+    rng = random.Random(0)
+    costs = [min(2048.0, rng.lognormvariate(5.7, 1.0)) for _ in range(64)]
+    loads = lambda a: [sum(costs[i] for i in rows) for rows in a[0]]  # noqa: E731
+    contiguous, balanced = loads(dp_assignment(64, 4)), loads(dp_assignment(64, 4, costs=costs))
+    assert imbalance(balanced) <= imbalance(contiguous)
+    # LPT: the largest load is within the average plus one item of the optimum's bound
+    assert max(balanced) <= sum(costs) / 4 + max(costs)
+    assert sorted(i for rows in dp_assignment(64, 4, costs=costs)[0] for i in rows) == list(range(64))

@@ -189,6 +189,7 @@ LOSS_KEYS = ("loss/policy", "loss/total", "kl_ref/mean", "entropy/mean", "ratio/
 TP2_SP = ("parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true")
 PP2 = ("parallel.pipeline_model_parallel_size=2",)
 RECOMPUTE = ("model.recompute=full",)  # the CPU shims must hold inside autograd's recomputation too
+PACKED = ("trainer.max_tokens_per_micro_batch=1024", "trainer.sequence_packing=true")
 
 
 def _train_two_ranks(run: Path, reference: Path, *overrides: str) -> str:
@@ -221,12 +222,19 @@ def _check_matches_one_rank(layout: str, got: list[dict], reference: list[dict])
 
 
 def test_tensor_and_pipeline_parallel_training_reproduces_the_one_rank_run(quickstart_run, tmp_path):
-    """`megatron-alp train` on 2 gloo ranks (TP2+SP, PP2, DP2 with full activation recomputation), vLLM
-    in its engine-core subprocess on rank 0."""
+    """`megatron-alp train` on 2 gloo ranks (TP2+SP, PP2, DP2 with full activation recomputation and
+    packed, cost-balanced micro-batches), vLLM in its engine-core subprocess on rank 0."""
     reference = metrics(quickstart_run)
-    for layout, overrides in {"tp2_sp": TP2_SP, "pp2": PP2, "dp2_recompute": RECOMPUTE}.items():
+    layouts = {"tp2_sp": TP2_SP, "pp2": PP2, "dp2_recompute_packed": RECOMPUTE + PACKED}
+    for layout, overrides in layouts.items():
         _train_two_ranks(tmp_path / layout, quickstart_run, "trainer.iterations=2", *overrides)
         _check_matches_one_rank(layout, metrics(tmp_path / layout), reference)
+    for r in metrics(tmp_path / "dp2_recompute_packed"):
+        assert r["batch/padding_frac"] == 0.0, r  # packed rows compute no pad token
+        # LPT: the fullest rank holds at most the mean plus one sequence (~1/64 of a rank's load here)
+        assert 1.0 <= r["batch/dp_imbalance"] <= 1.05 and r["batch/dp_imbalance_unbalanced"] >= 1.0, r
+    for r in metrics(tmp_path / "pp2"):
+        assert r["batch/padding_frac"] > 0.0, r  # 64 padded rows per micro-batch
 
 
 @pytest.mark.slow

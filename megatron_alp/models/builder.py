@@ -10,6 +10,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_alp.config import ModelConfig, ParallelConfig, PerturbationConfig
 from megatron_alp.models.families import MegatronModelArgs, torch_dtype
 from megatron_alp.models.layer_spec import block_spec, resolve_spec
+from megatron_alp.models.output_layer import install_hidden_output
 from megatron_alp.platform import device, place_on_device
 
 
@@ -101,6 +102,7 @@ def build_gpt_model(
         rotary_percent=1.0,
         **args.rope,
     )
+    install_hidden_output(model)
     if perturbation is not None and perturbation.enabled:
         from megatron_alp.perturbation import attach_perturbation
 

@@ -23,6 +23,7 @@ from megatron_alp.config import LossConfig, OptimizerConfig, PerturbationConfig
 from megatron_alp.metrics import StepMetrics
 from megatron_alp.optim import build_optimizer, wrap_for_training
 from megatron_alp.platform import check_requested, on_accelerator
+from megatron_alp.micro_batch import Batching
 from megatron_alp.policy_update import compute_logprobs, train_mini_batch
 from megatron_alp.rl_batch import RLBatch
 
@@ -113,11 +114,11 @@ def tp2_update() -> dict:
     mask[:, 3:9] = 1
     advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
     batch = RLBatch(tokens, targets, mask, torch.zeros(4, 10), advantages, torch.full((4,), 10))
-    batch.old_logprobs = compute_logprobs(model, batch, micro_batch_size=2, temperature=1.0, pad_id=0)
+    batch.old_logprobs = compute_logprobs(model, batch, batching=Batching(size=2), temperature=1.0, pad_id=0)
     batch.rollout_logprobs = batch.old_logprobs * mask
     metrics = StepMetrics()
     stats = train_mini_batch(model, optimizer, batch, loss_cfg=LossConfig(name="alp_token", kl_coef=0.0), step=0,
-                             micro_batch_size=2, temperature=1.0, pad_id=0, metrics=metrics)
+                             batching=Batching(size=2), temperature=1.0, pad_id=0, metrics=metrics)
     reduced = metrics.reduce(ps.get_data_parallel_group())
     return {"update_ok": bool(stats["update_ok"]), "grad_norm": float(stats["grad_norm"]),
             "ratio_p50": reduced["ratio/p50"]}

@@ -13,6 +13,7 @@ from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+import megatron_alp.perturbation as alp
 from common import build, full_state, load_full_state, pipeline_logits, rank, reinit, tokens
 from megatron_alp.config import PerturbationConfig
 from megatron_alp.perturbation import controller_of, next_microbatch, perturbed_step, sigma_parameters
@@ -66,6 +67,28 @@ class _null:
         return False
 
 
+def both_paths(tag, model, batch, **kw):
+    """train_step with the saved-eps autograd path, then with eps regenerated in the backward (the
+    default, whose gradients stay in the model): loss and every gradient bit-identical. The
+    recorder, if any, sees only the second run."""
+    recorder, controller_of(model).recorder = controller_of(model).recorder, None
+    alp.REGENERATE_EPS = False
+    try:
+        saved_loss = train_step(model, batch, **kw)
+    finally:
+        alp.REGENERATE_EPS = True
+    saved = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    controller_of(model).recorder = recorder
+    loss = train_step(model, batch, **kw)
+    assert loss == saved_loss, f"{tag}: regenerated-eps loss {loss} != saved-eps {saved_loss}"
+    regen = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert regen.keys() == saved.keys() and any("alp_perturbation" in n for n in regen), tag
+    for n in regen:
+        assert torch.equal(regen[n], saved[n]), f"{tag}: {n} gradient differs between the eps paths"
+    R.setdefault("saved_eps_equal_layouts", []).append(tag)
+    return loss
+
+
 def recorded(model):
     c = controller_of(model)
     c.recorder = []
@@ -94,7 +117,7 @@ with perturbed_step(ref, step=5):
     ref_perturbed = pipeline_logits(ref, batch)
 ref_clean = pipeline_logits(ref, batch)
 assert not torch.equal(ref_perturbed, ref_clean), "perturbation did not change the logits"
-ref_loss = train_step(ref, batch, step=5)
+ref_loss = both_paths("tp1", ref, batch, step=5)
 ref_grads = sigma_grads(ref)
 assert all(g.abs().sum() > 0 for g in ref_grads.values()), "sigma got no gradient"
 R["ref_logit_shift"] = (ref_perturbed - ref_clean).abs().max().item()
@@ -135,7 +158,7 @@ assert controller_of(disabled) is None and not sigma_parameters(disabled)
 recomp = build(FAMILY, par, pert(), recompute="full", recompute_num_layers=1)
 load_full_state(recomp, full)
 rec = recorded(recomp)
-recomp_loss = train_step(recomp, batch, step=5)
+recomp_loss = both_paths("recompute", recomp, batch, step=5)
 assert recomp_loss == ref_loss, f"recompute loss {recomp_loss} != {ref_loss}"
 for (name, g), g_ref in zip(sigma_grads(recomp).items(), ref_grads.values()):
     assert torch.allclose(g, g_ref, rtol=1e-5, atol=1e-9), f"{name}: recompute sigma grad {g} != {g_ref}"
@@ -179,7 +202,7 @@ assert all(tp_all_equal(noise) for _, noise in rec), "TP ranks drew different no
 diff = (tp2_perturbed - ref_perturbed).abs().max().item()
 assert diff < 2e-5, f"TP=2 perturbed logits differ from TP=1 by {diff}"
 controller_of(tp2).recorder = None
-tp2_loss = train_step(tp2, batch, step=5)
+tp2_loss = both_paths("tp2", tp2, batch, step=5)
 assert abs(tp2_loss - ref_loss) < 1e-5, (tp2_loss, ref_loss)
 for (name, g), g_ref in zip(sigma_grads(tp2).items(), ref_grads.values()):
     assert tp_all_equal(g), f"{name}: sigma grad differs across TP ranks"
@@ -191,7 +214,7 @@ par = reinit(2, 1, sp=True)
 sp = build(FAMILY, par, pert())
 load_full_state(sp, full)
 rec = recorded(sp)
-sp_loss = train_step(sp, batch, step=5)
+sp_loss = both_paths("sp", sp, batch, step=5)
 first = rec[:n_sites]
 assert all(noise.shape[0] == batch.shape[1] // 2 for _, noise in first), "SP noise is not per shard"
 assert not any(tp_all_equal(noise) for _, noise in first), "SP shards drew identical noise"
@@ -210,7 +233,7 @@ load_full_state(pp, full)
 own = sorted(site.layer for site in controller_of(pp).sites)
 expected = [0, 1] if ps.get_pipeline_model_parallel_rank() == 0 else [2, 3]
 assert own == expected, f"stage {ps.get_pipeline_model_parallel_rank()} owns sigmas of layers {own}"
-train_step(pp, batch, step=5, micro_batches=2)
+both_paths("pp", pp, batch, step=5, micro_batches=2)
 assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in sigma_parameters(pp)), "PP stage sigma got no grad"
 
 if rank() == 0:

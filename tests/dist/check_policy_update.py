@@ -1,8 +1,9 @@
 """One policy update on a fixed batch moves the policy the way the advantages say, for every loss
 and layout (2 gloo ranks): DP=2, TP=2, PP=2, and DP=2 with full activation recomputation.
 
-The bf16 layout also records the dtype of the logits the logprob code receives: the model's own
-(Megatron's Float16Module would upcast them all to fp32 first).
+The updates use the fused linear logprob path (hidden states + output weight; the logits path is
+compared with it in check_packing.py). The bf16 layout also records the dtype of the hidden states
+the logprob code receives: the model's own (Megatron's Float16Module would upcast them to fp32).
 
 The batch: 8 random prompt+response sequences of a tiny Qwen2; advantages +1 on even rows, -1 on
 odd rows; rollout logprobs are the model's own plus small noise (so MIS/TIS weights stay near 1
@@ -26,9 +27,10 @@ from megatron_alp.metrics import StepMetrics
 from megatron_alp.optim import build_optimizer, wrap_for_training
 from megatron_alp.policy_loss import get_policy_loss
 from megatron_alp import policy_update
-from megatron_alp.logprobs import token_logprobs
+from megatron_alp.logprobs import linear_token_logprobs, token_logprobs
+from megatron_alp.micro_batch import Batching
 from megatron_alp.policy_update import compute_logprobs, train_mini_batch
-from megatron_alp.rl_batch import RLBatch, dp_shard
+from megatron_alp.rl_batch import RLBatch, dp_assignment, dp_shard
 
 LOSSES = ("alp_token", "alp_seq", "grpo", "gspo", "token_mis", "seq_mis", "token_tis", "seq_bypass")
 LAYOUTS = {
@@ -38,7 +40,7 @@ LAYOUTS = {
     "dp2_recompute": dict(tp=1, pp=1, recompute="full"),
     "dp2_bf16": dict(tp=1, pp=1, dtype="bfloat16"),
 }
-LOGITS_DTYPES: dict[str, set] = {}  # layout -> dtypes of the logits token_logprobs received
+OUTPUT_DTYPES: dict[str, set] = {}  # layout -> dtypes of the model outputs the logprob code received
 ROWS, PROMPT, RESPONSE, VOCAB = 8, 4, 6, 512
 
 
@@ -56,7 +58,7 @@ def fixed_batch() -> RLBatch:
 
 def seq_logprobs(model, batch: RLBatch) -> list[float] | None:
     """Per-row sum of response logprobs, all rows of the global batch, on every rank (None off the last stage)."""
-    lp = compute_logprobs(model, batch, micro_batch_size=2, temperature=1.0, pad_id=0)
+    lp = compute_logprobs(model, batch, batching=Batching(size=2), temperature=1.0, pad_id=0)
     local = None if lp is None else (lp * batch.loss_mask).sum(-1).tolist()
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (ps.get_data_parallel_rank(), ps.is_pipeline_last_stage(), local))
@@ -67,13 +69,16 @@ def seq_logprobs(model, batch: RLBatch) -> list[float] | None:
     return [v for r in sorted(rows) for v in rows[r]]
 
 
-def recording_token_logprobs(logits, *args, **kwargs):
-    LOGITS_DTYPES.setdefault(CURRENT_LAYOUT[0], set()).add(logits.dtype)
-    return token_logprobs(logits, *args, **kwargs)
+def recording(fn):
+    def record(output, *args, **kwargs):
+        OUTPUT_DTYPES.setdefault(CURRENT_LAYOUT[0], set()).add(output.dtype)
+        return fn(output, *args, **kwargs)
+    return record
 
 
 CURRENT_LAYOUT = [""]
-policy_update.token_logprobs = recording_token_logprobs
+policy_update.token_logprobs = recording(token_logprobs)
+policy_update.linear_token_logprobs = recording(linear_token_logprobs)
 
 
 def one_update(layout: str, name: str, init: dict) -> dict:
@@ -88,16 +93,17 @@ def one_update(layout: str, name: str, init: dict) -> dict:
     model = wrap_for_training(model, par)
     optimizer, _ = build_optimizer(model, OptimizerConfig(lr=1e-3, min_lr=1e-3, weight_decay=0.0),
                                    pert or PerturbationConfig(), par, total_steps=1)
-    batch = dp_shard(fixed_batch(), ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+    batch, _ = dp_shard(fixed_batch(), dp_assignment(ROWS, ps.get_data_parallel_world_size()),
+                        ps.get_data_parallel_rank())
     before = seq_logprobs(model, batch)
-    lp = compute_logprobs(model, batch, micro_batch_size=2, temperature=1.0, pad_id=0)
+    lp = compute_logprobs(model, batch, batching=Batching(size=2), temperature=1.0, pad_id=0)
     if lp is None:  # only the last stage computes logprobs; the earlier stage's values are unused
         lp = torch.zeros(batch.tokens.shape)
     batch.old_logprobs = lp
     batch.rollout_logprobs = (lp + batch.rollout_logprobs) * batch.loss_mask
     cfg = LossConfig(name=name, kl_coef=0.0, entropy_coef=0.0)
-    stats = train_mini_batch(model, optimizer, batch, loss_cfg=cfg, step=0, micro_batch_size=2, temperature=1.0,
-                             pad_id=0, metrics=StepMetrics())
+    stats = train_mini_batch(model, optimizer, batch, loss_cfg=cfg, step=0, batching=Batching(size=2),
+                             temperature=1.0, pad_id=0, metrics=StepMetrics())
     after = seq_logprobs(model, batch)
     assert stats["update_ok"], (layout, name, stats)
     return {"before": before, "after": after}
@@ -110,7 +116,7 @@ def main() -> None:
     for layout in LAYOUTS:
         for name in LOSSES:
             results[f"{layout}/{name}"] = one_update(layout, name, init)
-    results["logits_dtypes"] = {k: sorted(str(d) for d in v) for k, v in LOGITS_DTYPES.items()}
+    results["output_dtypes"] = {k: sorted(str(d) for d in v) for k, v in OUTPUT_DTYPES.items()}
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(results, f)

@@ -27,6 +27,7 @@ from megatron_alp.config import ModelConfig, RolloutConfig, SamplingConfig
 from megatron_alp.models.builder import build_gpt_model
 from megatron_alp.models.families import hf_to_megatron, load_hf_config
 from megatron_alp.models.hf_weights import load_hf_weights
+from megatron_alp.micro_batch import Batching
 from megatron_alp.policy_update import compute_logprobs, probe_mismatch
 from megatron_alp.rl_batch import build_rl_batch
 from megatron_alp.rollout import DistributedRollout, SamplingParams, Trajectory
@@ -57,7 +58,7 @@ def same_tokens(a, b) -> bool:
 def megatron_diff(model, groups) -> float:
     trajectories = [Trajectory.from_completion(c) for g in groups for c in g]
     batch = build_rl_batch(trajectories, torch.zeros(len(trajectories)), pad_id=0)
-    lp = compute_logprobs(model, batch, micro_batch_size=len(trajectories), temperature=1.0, pad_id=0)
+    lp = compute_logprobs(model, batch, batching=Batching(size=len(trajectories)), temperature=1.0, pad_id=0)
     keep = batch.loss_mask > 0
     return mismatch_stats(batch.rollout_logprobs[keep], lp[keep])["max"]
 

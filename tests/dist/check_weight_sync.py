@@ -23,6 +23,7 @@ from megatron_alp.config import ModelConfig, RolloutConfig, SamplingConfig
 from megatron_alp.models.builder import build_gpt_model
 from megatron_alp.models.families import hf_to_megatron, load_hf_config
 from megatron_alp.models.hf_weights import load_hf_weights
+from megatron_alp.micro_batch import Batching
 from megatron_alp.policy_update import compute_logprobs, probe_mismatch
 from megatron_alp.rl_batch import build_rl_batch
 from megatron_alp.rollout import DistributedRollout, RolloutError, SamplingParams, Trajectory
@@ -55,7 +56,7 @@ def trainer_vs_engine(rollout, model, n=8, max_tokens=32):
     assert len(groups) == len(PROMPTS) and all(len(g) == n for g in groups)
     trajectories = [Trajectory.from_completion(c) for g in groups for c in g]
     batch = build_rl_batch(trajectories, torch.zeros(len(trajectories)), pad_id=0)
-    megatron = compute_logprobs(model, batch, micro_batch_size=16, temperature=1.0, pad_id=0)
+    megatron = compute_logprobs(model, batch, batching=Batching(size=16), temperature=1.0, pad_id=0)
     if not ps.is_pipeline_last_stage():
         return None, None, groups
     keep = batch.loss_mask > 0
