@@ -199,7 +199,7 @@ def _tiles(n: int, v_local: int, device: torch.device, chunk_tokens: Optional[in
 class _LinearTokenLogprobs(torch.autograd.Function):
     """Logprobs/entropy of ``hidden @ weight.T`` by token tiles x vocabulary chunks, with an online
     (rescaled) max, sum-exp and ``sum p*x`` per token over the chunks; the backward recomputes each
-    chunk's logits and writes each weight row's gradient once per tile."""
+    chunk's logits."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature_value, group, vocab_start, tile, chunk, with_entropy):
@@ -257,8 +257,10 @@ class _LinearTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_second):
-        # The gradient w.r.t. the chunk's logits is _VocabParallelTokenLogprobs' formula; then
-        # dL/dh = g W_c and dL/dW_c = g^T h, both accumulated in fp32.
+        # The gradient w.r.t. a chunk's logits is _VocabParallelTokenLogprobs' formula; then
+        # dL/dh = g W_c and dL/dW_c = g^T h in fp32. Vocabulary chunks are the outer loop, so each
+        # weight row's gradient is complete after its chunk's token tiles and is written once, in the
+        # weight's dtype; only the hidden states' gradient [tokens, h] accumulates (in fp32).
         hidden, weight, local, here, lse, entropy = ctx.saved_tensors
         tile, chunk, inv_t = ctx.tile, ctx.chunk, 1.0 / ctx.temperature
         temperature = _temperature(ctx.temperature, hidden)
@@ -266,19 +268,18 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         acc = torch.promote_types(weight.dtype, torch.float32)
         u = torch.zeros_like(lse) if grad_logprobs is None else grad_logprobs.to(lse.dtype)
         w_up = grad_second.to(lse.dtype) if ctx.with_entropy and grad_second is not None else None
-        grad_hidden = torch.empty(hidden.shape, dtype=acc, device=hidden.device) if ctx.needs_input_grad[0] else None
-        grad_weight = None
-        if ctx.needs_input_grad[1]:
-            grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
-        for s in range(0, n, tile):
-            e = min(s + tile, n)
-            h = hidden[s:e]
-            h_acc = h.to(acc)
-            u_c = u[s:e].unsqueeze(-1)
-            g_h = torch.zeros(e - s, hidden.shape[1], dtype=acc, device=hidden.device)
-            for v in range(0, v_local, chunk):
-                w = min(v + chunk, v_local)
-                logp = _scaled(torch.nn.functional.linear(h, weight[v:w]), temperature).sub_(lse[s:e].unsqueeze(-1))
+        grad_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
+        for v in range(0, v_local, chunk):
+            w = min(v + chunk, v_local)
+            w_chunk = weight[v:w]
+            w_acc = w_chunk.to(acc)
+            g_w = torch.zeros(w_chunk.shape, dtype=acc, device=weight.device) if grad_weight is not None else None
+            for s in range(0, n, tile):
+                e = min(s + tile, n)
+                h = hidden[s:e]
+                u_c = u[s:e].unsqueeze(-1)
+                logp = _scaled(torch.nn.functional.linear(h, w_chunk), temperature).sub_(lse[s:e].unsqueeze(-1))
                 if w_up is not None:
                     w_c = w_up[s:e].unsqueeze(-1)
                     p = torch.exp(logp)
@@ -291,14 +292,13 @@ class _LinearTokenLogprobs(torch.autograd.Function):
                 g.scatter_add_(-1, col.unsqueeze(-1), torch.where(inside.unsqueeze(-1), u_c * inv_t, 0.0).to(g.dtype))
                 g = g.to(acc)
                 if grad_hidden is not None:
-                    g_h.addmm_(g, weight[v:w].to(acc))
-                if grad_weight is not None:
-                    grad_weight[v:w].addmm_(g.t(), h_acc)
+                    grad_hidden[s:e].addmm_(g, w_acc)
+                if g_w is not None:
+                    g_w.addmm_(g.t(), h.to(acc))
                 del g, logp
-            if grad_hidden is not None:
-                grad_hidden[s:e] = g_h
-        return (grad_hidden.to(hidden.dtype) if grad_hidden is not None else None,
-                grad_weight.to(weight.dtype) if grad_weight is not None else None,
+            if g_w is not None:
+                grad_weight[v:w] = g_w
+        return (grad_hidden.to(hidden.dtype) if grad_hidden is not None else None, grad_weight,
                 None, None, None, None, None, None, None)
 
 

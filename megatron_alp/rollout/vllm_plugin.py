@@ -10,7 +10,8 @@ On the CPU, vLLM's processes wait for each other's messages by spinning (``sched
 after every message (``SpinCondition`` in ``shm_broadcast``), so the waiting engine core keeps a
 core busy for as long as its worker computes. On a GPU that costs an otherwise idle host core; on
 the CPU the cores are the compute, and two replicas on two cores would spend half of them
-spinning. With the variable set, readers wait on vLLM's notification socket at once.
+spinning. With the variable set, readers wait on vLLM's notification socket at once, and look at
+the buffer again every :data:`RECHECK_MS` in case a notification was lost.
 """
 
 from __future__ import annotations
@@ -18,6 +19,12 @@ from __future__ import annotations
 import os
 
 SLEEP_WHEN_IDLE = "MEGATRON_ALP_VLLM_SLEEP_WHEN_IDLE"
+# How long a reader that waits on the notification socket waits before it looks at the buffer
+# again (vLLM: 5 s). A notification can be lost: the writer's PUB socket keeps one pending message
+# and drops the next, so a reader that wakes for one write may never hear of the write after it.
+# vLLM's 1 s spin after every read hides that; without the spin the reader would sit out the full
+# recheck interval for such a write, on every step of a generation.
+RECHECK_MS = 2
 
 
 def register() -> None:
@@ -28,3 +35,5 @@ def register() -> None:
     spin = getattr(shm_broadcast, "SpinCondition", None)
     if spin is not None and spin.__init__.__defaults__ == (1,):
         spin.__init__.__defaults__ = (0,)
+    if getattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS", None) == 5000:
+        shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = RECHECK_MS
