@@ -68,6 +68,23 @@ def _finite(x: torch.Tensor) -> torch.Tensor:
     return x.clamp_(min=_NEG_FLOOR)
 
 
+def _logit_grad(logp, u, w, entropy, inv_t, col, here) -> torch.Tensor:
+    """dL/dlogits of a chunk from its log-probabilities ``logp`` (consumed) and the upstream
+    gradients of the logprobs ``u`` and of the entropy ``w`` (None: unused). With x = logits / T and
+    p = softmax(x): d lp_t / dx_j = 1[j = t] - p_j and d H / dx_j = -p_j (log p_j + H), so
+    dL/dlogits_j = (u 1[j = t] - p_j (u + w H + w log p_j)) / T; the target term only where the
+    target is in the chunk (``here``, at column ``col``)."""
+    u_c = u.unsqueeze(-1)
+    if w is not None:
+        w_c = w.unsqueeze(-1)
+        p = torch.exp(logp)
+        g = _finite(logp).mul_(-w_c * inv_t).sub_((u_c + w_c * entropy.unsqueeze(-1)) * inv_t).mul_(p)
+        del p
+    else:
+        g = logp.exp_().mul_(-u_c * inv_t)
+    return g.scatter_add_(-1, col.unsqueeze(-1), torch.where(here.unsqueeze(-1), u_c * inv_t, 0.0).to(g.dtype))
+
+
 class _VocabParallelTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, temperature_value, group, vocab_start, chunk, with_entropy):
@@ -114,8 +131,6 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_second):
-        # x = logits / T, p = softmax(x):  d lp_t / dx_j = 1[j = t] - p_j,  d H / dx_j = -p_j (log p_j + H).
-        # With upstream gradients (u, w): dL/dlogits_j = (u 1[j = t] - p_j (u + w H + w log p_j)) / T.
         logits, local, here, lse, entropy = ctx.saved_tensors
         chunk, with_entropy, inv_t = ctx.chunk, ctx.with_entropy, 1.0 / ctx.temperature
         temperature = _temperature(ctx.temperature, logits)
@@ -124,16 +139,8 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
         grad = torch.empty_like(logits)
         for s in range(0, logits.shape[0], chunk):
             e = min(s + chunk, logits.shape[0])
-            u_c = u[s:e].unsqueeze(-1)
             logp = _shifted(logits[s:e], temperature, lse[s:e])
-            if w is not None:
-                w_c = w[s:e].unsqueeze(-1)
-                p = torch.exp(logp)
-                g = _finite(logp).mul_(-w_c * inv_t).sub_((u_c + w_c * entropy[s:e].unsqueeze(-1)) * inv_t).mul_(p)
-                del p
-            else:
-                g = logp.exp_().mul_(-u_c * inv_t)
-            g.scatter_add_(-1, local[s:e].unsqueeze(-1), torch.where(here[s:e].unsqueeze(-1), u_c * inv_t, 0.0).to(g.dtype))
+            g = _logit_grad(logp, u[s:e], None if w is None else w[s:e], entropy[s:e], inv_t, local[s:e], here[s:e])
             grad[s:e].copy_(g)
             del g, logp
         return grad, None, None, None, None, None, None
@@ -257,7 +264,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_second):
-        # The gradient w.r.t. a chunk's logits is _VocabParallelTokenLogprobs' formula; then
+        # The gradient w.r.t. a chunk's logits is _logit_grad's; then
         # dL/dh = g W_c and dL/dW_c = g^T h in fp32. Vocabulary chunks are the outer loop, so each
         # weight row's gradient is complete after its chunk's token tiles and is written once, in the
         # weight's dtype; only the hidden states' gradient [tokens, h] accumulates (in fp32).
@@ -278,18 +285,10 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             for s in range(0, n, tile):
                 e = min(s + tile, n)
                 h = hidden[s:e]
-                u_c = u[s:e].unsqueeze(-1)
                 logp = _scaled(torch.nn.functional.linear(h, w_chunk), temperature).sub_(lse[s:e].unsqueeze(-1))
-                if w_up is not None:
-                    w_c = w_up[s:e].unsqueeze(-1)
-                    p = torch.exp(logp)
-                    g = _finite(logp).mul_(-w_c * inv_t).sub_((u_c + w_c * entropy[s:e].unsqueeze(-1)) * inv_t).mul_(p)
-                    del p
-                else:
-                    g = logp.exp_().mul_(-u_c * inv_t)
                 inside = here[s:e] & (local[s:e] >= v) & (local[s:e] < w)
                 col = torch.where(inside, local[s:e] - v, torch.zeros_like(local[s:e]))
-                g.scatter_add_(-1, col.unsqueeze(-1), torch.where(inside.unsqueeze(-1), u_c * inv_t, 0.0).to(g.dtype))
+                g = _logit_grad(logp, u[s:e], None if w_up is None else w_up[s:e], entropy[s:e], inv_t, col, inside)
                 g = g.to(acc)
                 if grad_hidden is not None:
                     grad_hidden[s:e].addmm_(g, w_acc)
