@@ -229,12 +229,11 @@ def test_tensor_and_pipeline_parallel_training_reproduces_the_one_rank_run(quick
     for layout, overrides in layouts.items():
         _train_two_ranks(tmp_path / layout, quickstart_run, "trainer.iterations=2", *overrides)
         _check_matches_one_rank(layout, metrics(tmp_path / layout), reference)
-    for r in metrics(tmp_path / "dp2_recompute_packed"):
-        assert r["batch/padding_frac"] == 0.0, r  # packed rows compute no pad token
+    for packed, padded in zip(metrics(tmp_path / "dp2_recompute_packed"), metrics(tmp_path / "pp2")):
+        # the same rollouts: short sequences sharing masked rows leave less padding than 64 padded rows
+        assert 0.0 <= packed["batch/padding_frac"] < padded["batch/padding_frac"], (packed, padded)
         # LPT: the fullest rank holds at most the mean plus one sequence (~1/64 of a rank's load here)
-        assert 1.0 <= r["batch/dp_imbalance"] <= 1.05 and r["batch/dp_imbalance_unbalanced"] >= 1.0, r
-    for r in metrics(tmp_path / "pp2"):
-        assert r["batch/padding_frac"] > 0.0, r  # 64 padded rows per micro-batch
+        assert 1.0 <= packed["batch/dp_imbalance"] <= 1.05 and packed["batch/dp_imbalance_unbalanced"] >= 1.0, packed
 
 
 @pytest.mark.slow
