@@ -5,6 +5,12 @@ One iteration, as in the paper's setup:
   advantages -> [old-policy and reference logprob passes, unperturbed] -> k policy-update
   mini-batches with the chosen loss (perturbed forward for ALP) -> weight sync to the engine.
 
+With ``trainer.max_staleness`` k >= 1 (asynchronous, engines on devices of their own) the
+engines generate batches b+1..b+k while the trainer updates on batch b: each batch is submitted
+when the trainer starts iteration b (its weights are then at most k versions old when it is trained)
+and collected when its turn comes; weight syncs wait for the engines between generations. Every
+trajectory carries the version that generated it (``staleness/*`` metrics).
+
 Every rank runs this file under torchrun. Prompt sampling is deterministic and identical on all
 ranks; rollouts and rewards are produced once and broadcast; each data-parallel rank trains on
 its share of every mini-batch, so an optimizer step sees the same rows on any number of ranks.
@@ -21,7 +27,9 @@ import os
 import signal
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -70,6 +78,15 @@ def run(args) -> int:
 _VALIDATION_STREAM = -1
 
 
+@dataclass
+class _Submitted:
+    """A batch handed to the engines ahead of its iteration (asynchronous training)."""
+
+    prompts: list
+    sampler_state: dict  # the prompt sampler before these prompts were drawn: where a resume restarts
+    batch: Any  # megatron_alp.rollout.distributed.Batch
+
+
 def _seed_everything(seed: int) -> None:
     import random
 
@@ -90,6 +107,8 @@ class RLTrainer:
         self.rollout = None
         self.executor = None
         self._validation = None
+        self.max_staleness = cfg.trainer.max_staleness
+        self._submitted: dict[int, _Submitted] = {}  # iteration -> its batch, generating ahead
 
     # ------------------------------------------------------------------------------- setup
 
@@ -225,7 +244,7 @@ class RLTrainer:
         r = cfg.rollout
         kinds = tuple(kind for kind, on in zip(KINDS, (r.offload_weights, r.offload_grads, r.offload_optimizer)) if on)
         self.offloader = None
-        if has_gpu() and r.free_memory_during_training and kinds:
+        if has_gpu() and r.free_memory_during_training and kinds and r.placement == "colocated":
             from megatron_alp.policy_update import model_chunks
 
             chunks = model_chunks(self.policy) + ([self.reference] if self.reference is not None else [])
@@ -248,6 +267,9 @@ class RLTrainer:
         extra = load_checkpoint(ckpt, self.policy_module, optimizer=self.optimizer,
                                 opt_param_scheduler=self.scheduler)
         self.iteration, self.step = int(extra["iteration"]), int(extra["step"])
+        if int(extra.get("policy_version", self.iteration)) != self.iteration:
+            raise InputError(f"checkpoint {ckpt}: policy version {extra['policy_version']} does not match its "
+                             f"iteration {self.iteration}")
         self.sampler.load_state_dict(extra["sampler"])
         if self.rank == 0:
             say(f"resumed from {ckpt} at iteration {self.iteration}, step {self.step}")
@@ -257,11 +279,22 @@ class RLTrainer:
         from megatron_alp.policy_update import probe_mismatch
         from megatron_alp.rollout import DistributedRollout
 
+        cfg = self.cfg
         with self._engine_awake({}, start=True):  # the engine claims its memory while Megatron's state is away
-            self.rollout = DistributedRollout(self.cfg.rollout, str(self.model_dir), seed=self.cfg.trainer.seed,
-                                              scorer=probe_mismatch)
-        if resumed or self.cfg.model.load is not None:
-            self.rollout.sync_weights(self.policy_module)
+            self.rollout = DistributedRollout(cfg.rollout, str(self.model_dir), seed=cfg.trainer.seed,
+                                              scorer=probe_mismatch, version=self.iteration,
+                                              background=self.max_staleness > 0)
+        if not has_gpu():
+            from megatron_alp.rollout.placement import trainer_cores
+
+            keep = trainer_cores(cfg.rollout)
+            if keep:  # separate placement: the engines compute on the other cores
+                os.sched_setaffinity(0, keep)
+                torch.set_num_threads(min(torch.get_num_threads(), len(keep)))
+        if self.max_staleness and cfg.tir.enabled and self.rollout.replica is not None and self.executor is None:
+            self.executor = SandboxExecutor(cfg.tir.sandbox)  # each replica leader runs its episodes' code
+        if resumed or cfg.model.load is not None:
+            self.rollout.sync_weights(self.policy_module, version=self.iteration)
 
     @contextlib.contextmanager
     def _engine_awake(self, stats: dict, start: bool = False):
@@ -314,18 +347,88 @@ class RLTrainer:
         seeded = s.per_sample_seeds if s.per_sample_seeds is not None else not has_gpu()
         return derive_seed(self.cfg.trainer.seed, *keys) if seeded else None
 
-    def _sampling_params(self):
+    def _sampling_params(self, iteration: int):
         from megatron_alp.rollout.base import SamplingParams
 
         s = self.cfg.rollout.sampling
         return SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                              max_tokens=s.max_response_length, seed=self._sample_seed(self.iteration))
+                              max_tokens=s.max_response_length, seed=self._sample_seed(iteration))
 
     def _rollouts(self, prompts) -> list:
+        """This iteration's trajectories, generated now by every replica with the current weights."""
         from megatron_alp.tir.multi_turn import sample_trajectories
 
-        return sample_trajectories(self.rollout, [p.prompt_ids for p in prompts], self._sampling_params(),
-                                   self.cfg.tir, self.tokenizer, self.executor, broadcast=self.rollout._broadcast)
+        trajectories = sample_trajectories(self.rollout, [p.prompt_ids for p in prompts],
+                                           self._sampling_params(self.iteration), self.cfg.tir, self.tokenizer,
+                                           self.executor, broadcast=self.rollout._broadcast)
+        for t in trajectories:
+            t.policy_version = self.rollout.version
+        return trajectories
+
+    # ----------------------------------------------------------------- asynchronous rollouts
+
+    def _share_work(self, params):
+        """What a replica leader's producer runs for its share of a batch: trajectories per prompt.
+        Multi-turn episodes run whole on the leader, its code in the leader's own sandbox."""
+        from dataclasses import replace
+
+        from megatron_alp.rollout.base import Trajectory
+        from megatron_alp.tir.multi_turn import run_episodes
+
+        tir, tokenizer, n = self.cfg.tir, self.tokenizer, params.n
+
+        def work(engine, prompts, keys):
+            if not tir.enabled:
+                return [[Trajectory.from_completion(c) for c in g] for g in engine.generate(prompts, params, keys=keys)]
+            # episodes draw from a stream of this share (seeded by its first prompt's index in the batch)
+            seeded = params if params.seed is None else replace(params, seed=derive_seed(params.seed, keys[0]))
+            episodes = run_episodes(engine, prompts, tokenizer, seeded, tir, self.executor)
+            return [episodes[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+        return work
+
+    def _submit(self, iteration: int) -> None:
+        """Draw the prompts of ``iteration`` and queue them on the engines (collective)."""
+        state = self.sampler.state_dict()
+        prompts = self.sampler.next_batch(self.cfg.trainer.prompts_per_iteration)
+        params = self._sampling_params(iteration)
+        batch = self.rollout.submit([p.prompt_ids for p in prompts], params, self._share_work(params))
+        self._submitted[iteration] = _Submitted(prompts, state, batch)
+
+    def _async_rollouts(self, timing: dict) -> tuple[list, list]:
+        """This iteration's prompts and trajectories (generated ahead), after queueing the batches of
+        the next ``max_staleness`` iterations. Groups generated by weights more than ``max_staleness``
+        versions old are regenerated now (a guard: the submission schedule keeps them fresh)."""
+        last = min(self.iteration + self.max_staleness, self.cfg.trainer.iterations - 1)
+        for j in range(self.iteration, last + 1):
+            if j not in self._submitted:
+                self._submit(j)
+        submitted = self._submitted.pop(self.iteration)
+        t0 = time.time()
+        batch = self.rollout.collect(submitted.batch)
+        timing["timing/rollout_wait_s"] = time.time() - t0
+        timing["timing/rollout_s"] = batch.seconds
+        stale = [i for i, v in enumerate(batch.versions) if self.iteration - v > self.max_staleness]
+        if stale:
+            params = self._sampling_params(self.iteration)
+            again = self.rollout.collect(self.rollout.submit([batch.prompts[i] for i in stale], params,
+                                                             self._share_work(params)))
+            for i, group, version in zip(stale, again.results, again.versions):
+                batch.results[i], batch.versions[i] = group, version
+        timing["staleness/regenerated_groups"] = float(len(stale))
+        trajectories = []
+        for group, version in zip(batch.results, batch.versions):
+            for t in group:
+                t.policy_version = version
+                trajectories.append(t)
+        return submitted.prompts, trajectories
+
+    def _resume_sampler_state(self) -> dict:
+        """The sampler where a resumed run must restart: before the oldest batch not yet trained on
+        (batches generating ahead are discarded by a kill and drawn again)."""
+        if self._submitted:
+            return self._submitted[min(self._submitted)].sampler_state
+        return self.sampler.state_dict()
 
     def validate(self) -> dict:
         """``val/*`` metrics of the current policy on ``data.val_files`` (rank 0; {} elsewhere), with
@@ -385,14 +488,22 @@ class RLTrainer:
         timing = {}
         t_start = time.time()
         _seed_everything(derive_seed(cfg.trainer.seed, self.iteration) % (2**31))
-        prompts = self.sampler.next_batch(cfg.trainer.prompts_per_iteration)
-
-        t0 = time.time()
-        with self._engine_awake(timing):
-            trajectories = self._rollouts(prompts)
-            timing.update(_memory("rollout", device_wide=True))
-        timing["timing/rollout_s"] = time.time() - t0
+        if self.max_staleness:
+            prompts, trajectories = self._async_rollouts(timing)
+        else:
+            prompts = self.sampler.next_batch(cfg.trainer.prompts_per_iteration)
+            t0 = time.time()
+            with self._engine_awake(timing):
+                trajectories = self._rollouts(prompts)
+                timing.update(_memory("rollout", device_wide=True))
+            timing["timing/rollout_s"] = time.time() - t0
         timing.update(self.rollout.take_stats())
+        staleness = np.array([self.iteration - t.policy_version for t in trajectories], dtype=np.float64)
+        timing["staleness/mean"] = float(staleness.mean())
+        timing["staleness/max"] = float(staleness.max())
+        if cfg.rollout.partial_rollout:
+            timing["staleness/multi_version_frac"] = float(np.mean(
+                [len(t.info.get("version_spans", ())) > 1 for t in trajectories]))
 
         t0 = time.time()
         rewards = self._rewards(trajectories, prompts)
@@ -438,7 +549,7 @@ class RLTrainer:
 
         t0 = time.time()
         _reset_peak_memory()
-        sync_stats = self.rollout.sync_weights(self.policy_module)
+        sync_stats = self.rollout.sync_weights(self.policy_module, version=self.iteration + 1)
         timing["timing/sync_s"] = time.time() - t0
         timing.update(_memory("sync"))
         timing["timing/total_s"] = time.time() - t_start
@@ -503,7 +614,8 @@ class RLTrainer:
         from megatron_alp.dist_checkpoint import save_checkpoint
 
         ckpt = self.run_dir / "checkpoints" / f"iter_{self.iteration:07d}"
-        extra = {"iteration": self.iteration, "step": self.step, "sampler": self.sampler.state_dict()}
+        extra = {"iteration": self.iteration, "step": self.step, "sampler": self._resume_sampler_state(),
+                 "policy_version": self.rollout.version}
         save_checkpoint(ckpt, self.policy_module, optimizer=self.optimizer, opt_param_scheduler=self.scheduler,
                         extra=extra, hf_dir=self.model_dir, before_commit=_fault_injection)
         if self.rank == 0:

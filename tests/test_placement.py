@@ -1,16 +1,19 @@
 """Which ranks start rollout replicas and on which devices (megatron_alp/rollout/placement.py)."""
 
 import os
+import re
 
 import pytest
 
 from megatron_alp.config import ConfigError, RolloutConfig
 from megatron_alp.rollout.placement import (
     ReplicaLayout,
+    engine_core_pool,
     engine_placement,
     placement_env,
     placement_vars,
     replica_layout,
+    trainer_cores,
 )
 
 
@@ -78,3 +81,83 @@ def test_placement_env_is_set_while_starting_and_restored(monkeypatch):
     assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
     if len(os.sched_getaffinity(0)) >= 2:
         assert bound is not None and bound.split(",")
+
+
+def test_separate_gpu_replicas_use_the_nodes_rollout_gpus_led_by_the_nodes_trainer_ranks(monkeypatch):
+    """8-GPU nodes, 4 trainer ranks each (GPUs 0-3), engines on GPUs 4-7 of every node."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    one = cfg(placement="separate", gpus=[4, 5, 6, 7])
+    layout = replica_layout(one, world=8, data_parallel=8, gpu=True, local_world=4)
+    assert layout == ReplicaLayout(replicas=8, stride=1)  # 4 per node, 2 nodes
+    p = engine_placement(one, layout, rank=5, local_rank=1, local_world=4, gpu=True)  # node 1, its 2nd replica
+    assert (p.replica, p.gpus) == (5, (5,))
+    two = cfg(placement="separate", gpus=[4, 5, 6, 7], tensor_parallel_size=2)
+    layout = replica_layout(two, world=8, data_parallel=8, gpu=True, local_world=4)
+    assert layout == ReplicaLayout(replicas=4, stride=2)
+    assert engine_placement(two, layout, rank=6, local_rank=2, local_world=4, gpu=True).gpus == (6, 7)
+    assert engine_placement(two, layout, rank=7, local_rank=3, local_world=4, gpu=True) is None
+
+
+def test_separate_gpu_layouts_that_cannot_be_placed_name_the_keys(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    with pytest.raises(ConfigError, match="needs rollout.gpus"):
+        replica_layout(cfg(placement="separate"), world=4, data_parallel=4, gpu=True, local_world=4)
+    with pytest.raises(ConfigError, match="must divide the node's 4 trainer ranks"):
+        replica_layout(cfg(placement="separate", gpus=[4, 5, 6]), world=4, data_parallel=4, gpu=True, local_world=4)
+    with pytest.raises(ConfigError, match="rollout.replicas=2, but rollout.gpus"):
+        replica_layout(cfg(placement="separate", gpus=[4, 5, 6, 7], replicas=2), world=4, data_parallel=4, gpu=True,
+                       local_world=4)
+    clash = cfg(placement="separate", gpus=[2, 3])  # GPUs 0-3 belong to the 4 trainer ranks
+    layout = replica_layout(clash, world=4, data_parallel=4, gpu=True, local_world=4)
+    with pytest.raises(ConfigError, match=r"GPU\(s\) \[2\] of rollout replica 0 are not free"):
+        engine_placement(clash, layout, rank=0, local_rank=0, local_world=4, gpu=True)
+    with pytest.raises(ValueError, match="gpus lists the engines' own GPUs and needs placement: separate"):
+        cfg(gpus=[4])
+    with pytest.raises(ValueError, match="a multiple of tensor_parallel_size=2"):
+        cfg(placement="separate", gpus=[4, 5, 6], tensor_parallel_size=2)
+
+
+def test_separate_cpu_placement_splits_the_cores_between_engine_and_trainer(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    sep = cfg(placement="separate")
+    assert engine_core_pool(sep) == [2, 3] and trainer_cores(sep) == [0, 1]
+    layout = replica_layout(sep, world=2, data_parallel=2, gpu=False, local_world=2)
+    assert layout == ReplicaLayout(replicas=1, stride=2)  # one replica per machine
+    assert engine_placement(sep, layout, rank=0, local_rank=0, local_world=2, gpu=False).cores == (2, 3)
+    pinned = cfg(placement="separate", cpu_cores=[3])
+    assert engine_core_pool(pinned) == [3] and trainer_cores(pinned) == [0, 1, 2]
+    assert trainer_cores(cfg()) is None and engine_core_pool(cfg()) is None  # colocated: shared, unpinned
+    colocated_pinned = cfg(cpu_cores=[1])  # the engine on core 1, still taking turns with the trainer
+    assert engine_placement(colocated_pinned, ReplicaLayout(1, 1), rank=0, local_rank=0, local_world=1,
+                            gpu=False).cores == (1,)
+    with pytest.raises(ConfigError, match="fewer cores than the 2 engine replicas"):
+        engine_placement(cfg(placement="separate", cpu_cores=[3], replicas=2), ReplicaLayout(2, 1), rank=1,
+                         local_rank=1, local_world=2, gpu=False)
+
+
+def test_an_engine_started_on_its_cores_inherits_them_and_this_process_keeps_its_own():
+    cores = sorted(os.sched_getaffinity(0))
+    p = engine_placement(cfg(cpu_cores=[cores[-1]]), ReplicaLayout(1, 1), rank=0, local_rank=0, local_world=1,
+                         gpu=False)
+    with placement_env(p):
+        assert os.sched_getaffinity(0) == {cores[-1]}
+        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == str(cores[-1])
+    assert sorted(os.sched_getaffinity(0)) == cores
+
+
+def test_async_settings_that_cannot_work_are_refused_naming_the_keys():
+    from megatron_alp.config import load_config
+
+    quick = os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart_cpu.yaml")
+    cases = {
+        ("trainer.max_staleness=1",): "trainer.max_staleness=1 generates while the trainer trains, which needs "
+                                      "rollout.placement: separate",
+        ("rollout.placement=separate", "rollout.engine_process=in_process"): "engine_process: in_process cannot",
+        ("rollout.cpu_cores=[1]", "rollout.engine_process=in_process"): "cpu_cores runs the engine in a process",
+        ("rollout.placement=separate", "rollout.partial_rollout=true"): "rollout.partial_rollout continues "
+                                                                        "generations across weight updates",
+    }
+    for overrides, message in cases.items():
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(quick, list(overrides))
+    load_config(quick, ["rollout.placement=separate", "trainer.max_staleness=2", "rollout.partial_rollout=true"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Iterable, Optional
+from typing import Callable, ClassVar, Iterable, Optional, Protocol
 
 import torch
 
@@ -39,6 +39,9 @@ class Completion:
     finish_reason: str  # "stop" (EOS or stop string), "length" (max_tokens) or "abort"
     text: str = ""
     stop_reason: Optional[str | int] = None  # the stop string or token that ended it, if any
+    # Partial rollouts: (first response token, weight version) of each span generated under one
+    # version, when the response spans several; None: one version throughout.
+    version_spans: Optional[list[tuple[int, int]]] = None
 
     def __post_init__(self):
         if len(self.logprobs) != len(self.response_ids):
@@ -64,6 +67,9 @@ class Trajectory:
     finish_reason: str
     num_turns: int = 1
     info: dict = field(default_factory=dict)
+    # The weight version (trainer iterations) that generated it; with partial rollouts the oldest of
+    # its spans (info["version_spans"]). Set by the trainer's rollout layer.
+    policy_version: Optional[int] = None
 
     def __post_init__(self):
         n = len(self.response_ids)
@@ -82,7 +88,21 @@ class Trajectory:
             loss_mask=[1] * len(c.response_ids),
             response_text=c.text,
             finish_reason=c.finish_reason,
+            info={"version_spans": list(c.version_spans)} if c.version_spans else {},
         )
+
+
+class Interruption(Protocol):
+    """What a partial-rollout engine asks between decoding steps (``rollout.partial_rollout``;
+    :class:`~megatron_alp.rollout.producer.RolloutProducer` implements it)."""
+
+    version: int  # the weight version the engine holds
+
+    def requested(self) -> bool:
+        """A weight update is waiting: stop the unfinished requests and :meth:`pause`."""
+
+    def pause(self) -> int:
+        """Block while the weights change; returns the new version."""
 
 
 class RolloutError(RuntimeError):
@@ -160,6 +180,11 @@ class RolloutEngine(abc.ABC):
     name: ClassVar[str]
     # How weights can reach the engine (``rollout.sync_method``), preferred first.
     sync_methods: ClassVar[tuple[str, ...]] = ("folder",)
+    # Whether generate() can pause between decoding steps for a weight update and continue the
+    # unfinished sequences afterwards (``rollout.partial_rollout``; see :class:`Interruption`).
+    partial_rollouts: ClassVar[bool] = False
+    # Set by the replica's producer when partial rollouts are on.
+    interruption: Optional[Interruption] = None
 
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], params: SamplingParams,
@@ -194,11 +219,19 @@ class RolloutEngine(abc.ABC):
         if cfg.sync_method is not None and cfg.sync_method not in cls.sync_methods:
             raise ValueError(f"rollout.sync_method={cfg.sync_method} is not available with rollout.engine="
                              f"{cls.name} (it supports: {', '.join(cls.sync_methods)})")
+        if cfg.partial_rollout and not cls.partial_rollouts:
+            raise ValueError(f"rollout.partial_rollout is not available with rollout.engine={cls.name} (its "
+                             "generations cannot pause for a weight update)")
 
     @classmethod
     def sync_method(cls, cfg: RolloutConfig) -> str:
-        """``rollout.sync_method``, or this engine's preferred method."""
-        return cfg.sync_method or cls.sync_methods[0]
+        """``rollout.sync_method``, or this engine's preferred method for its placement (``broadcast``
+        for engines on devices of their own, where the engine supports it)."""
+        if cfg.sync_method is not None:
+            return cfg.sync_method
+        if cfg.placement == "separate" and "broadcast" in cls.sync_methods:
+            return "broadcast"
+        return cls.sync_methods[0]
 
 
 ENGINES: dict[str, type[RolloutEngine]] = {}

@@ -15,6 +15,12 @@ waiting.
   restart lost the synced weights asks for a resync: the trainer's weights are streamed again and
   only that replica's prompts are re-sent; the other replicas' results are kept. Whatever still
   fails is a RolloutError naming the replica, on every rank.
+- Asynchronous generation (``background=True``, for ``trainer.max_staleness`` >= 1): each leader
+  drives its engine from a :class:`~megatron_alp.rollout.producer.RolloutProducer` thread.
+  :meth:`submit` splits a batch and queues each share on its replica without waiting;
+  :meth:`collect` later gathers the results on every rank. Weight syncs wait until no job holds an
+  engine (or pause it between decoding steps, with partial rollouts), so every result carries the
+  one weight version it was generated with (:attr:`Batch.versions`).
 - One-rank jobs run vLLM in process (it starts in seconds and weights arrive in memory);
   under torchrun each replica's vLLM runs in its engine-core subprocess (an in-process vLLM
   would adopt the trainer's default process group and wait for the other ranks). On GPUs a
@@ -29,9 +35,12 @@ samples a short probe that the Megatron model scores; each must agree.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
@@ -53,6 +62,7 @@ from megatron_alp.rollout.base import (
     resolve_max_model_len,
 )
 from megatron_alp.rollout.placement import Placement, ReplicaLayout, engine_placement, replica_layout
+from megatron_alp.rollout.producer import RolloutProducer
 from megatron_alp.rollout.weight_sync import WeightStream, default_verify_tolerance
 
 
@@ -67,6 +77,30 @@ def build_engine(cfg: RolloutConfig, model_dir: str, seed: int, placement: Optio
     return get_engine(cfg.engine)(cfg, model_dir, seed, placement)
 
 
+# (engine, prompts of one replica's share, their indices in the whole batch) -> one result per prompt
+# (a group of Completions or Trajectories: anything with ``response_ids``).
+Work = Callable[[RolloutEngine, list[list[int]], list[int]], list]
+
+
+def generate_work(params: SamplingParams) -> Work:
+    """The plain generate call: ``params.n`` completions per prompt, seeded by batch index."""
+    return lambda engine, prompts, keys: engine.generate(prompts, params, keys=keys)
+
+
+@dataclass
+class Batch:
+    """A submitted batch: its split over the replicas and, on leaders, the pending share."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    work: Work
+    shares: list[list[int]]
+    future: Optional[Future] = None  # this leader's share, queued on its producer
+    results: list = field(default_factory=list)  # per prompt, once collected
+    versions: list[int] = field(default_factory=list)  # weight version of each prompt's results
+    seconds: float = 0.0  # generation time of the slowest replica's share
+
+
 def _single(models):
     if isinstance(models, (list, tuple)):
         if len(models) != 1:
@@ -79,8 +113,10 @@ def _single(models):
 class DistributedRollout:
     """Every trainer rank calls every method (collective); see the module docstring."""
 
-    def __init__(self, cfg: RolloutConfig, model_dir: str, seed: int, scorer: Optional[Scorer] = None):
+    def __init__(self, cfg: RolloutConfig, model_dir: str, seed: int, scorer: Optional[Scorer] = None,
+                 version: int = 0, background: bool = False):
         self.cfg = cfg
+        self.version = version  # the weight version the engines hold (trainer iterations)
         self.model_dir = str(model_dir)
         self.scorer = scorer
         self.multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -90,9 +126,11 @@ class DistributedRollout:
         # replicas generate, retry and restart; the engines bound all of that themselves (attempt
         # timeouts that scale with the batch, retries), so the wait only ends a rank stuck elsewhere.
         self.group = cpu_group(timeout=timedelta(seconds=24 * 3600)) if self.multi else None
-        self.layout: ReplicaLayout = replica_layout(cfg, world, _data_parallel_size(world), has_gpu())
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        self.layout: ReplicaLayout = replica_layout(cfg, world, _data_parallel_size(world), has_gpu(), local_world)
         self.replica = self.layout.replica_of(self.rank)
         self.engine: Optional[RolloutEngine] = None
+        self.producer: Optional[RolloutProducer] = None
         self._models = None
         self._response_len: Optional[float] = None  # mean response length seen (balancing)
         self._stats = self._fresh_stats()
@@ -100,9 +138,10 @@ class DistributedRollout:
         if self.replica is not None:
             try:
                 local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
-                local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
                 placement = engine_placement(cfg, self.layout, self.rank, local_rank, local_world, has_gpu())
                 self.engine = build_engine(cfg, model_dir, seed, placement)
+                if background:
+                    self.producer = RolloutProducer(self.engine, version, partial_rollouts=cfg.partial_rollout)
             except Exception as err:
                 error = err
         self._check(self._gather(_picklable(error)), error, "starting the rollout engine")
@@ -141,20 +180,32 @@ class DistributedRollout:
         detail = f"{type(err).__name__}: {err}" if isinstance(err, BaseException) else str(err)
         raise RolloutError(f"{what} failed on rollout replica {k} (rank {self.layout.leader(k)}): {detail}")
 
+    def _run(self, work: Callable[[RolloutEngine], Any]) -> tuple[int, Any]:
+        """``work(engine)`` on this leader's engine, through its producer when there is one:
+        ``(weight version, result)``."""
+        if self.producer is not None:
+            return self.producer.run(work)
+        return self.version, work(self.engine)
+
+    @staticmethod
+    def _outcome(call: Callable[[], Any]) -> tuple[tuple[str, Any], Optional[BaseException]]:
+        """``("ok", result)``, ``("resync", why)`` or ``("error", exception)``, and the exception."""
+        try:
+            return ("ok", call()), None
+        except EngineRestarted as err:
+            return ("resync", str(err)), None
+        except Exception as err:
+            return ("error", _picklable(err)), err
+
     def _on_replicas(self, work: Callable[[RolloutEngine], Any], which: set[int]
                      ) -> tuple[list[tuple[str, Any]], Optional[BaseException]]:
         """Run ``work(engine)`` on the replicas in ``which``. Returns every replica's ``(status,
-        payload)`` on every rank ("ok" and the result, "resync" and why, "error" and the exception,
-        "skip") and this rank's own exception, if it raised one."""
+        payload)`` on every rank ("ok" and ``(version, result)``, "resync" and why, "error" and the
+        exception, "skip") and this rank's own exception, if it raised one."""
         outcome: tuple[str, Any] = ("skip", None)
         own = None
         if self.replica in which:
-            try:
-                outcome = ("ok", work(self.engine))
-            except EngineRestarted as err:
-                outcome = ("resync", str(err))
-            except Exception as err:
-                outcome, own = ("error", _picklable(err)), err
+            outcome, own = self._outcome(lambda: self._run(work))
         return self._gather(outcome), own
 
     # ---------------------------------------------------------------------------- rollouts
@@ -166,28 +217,54 @@ class DistributedRollout:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """``params.n`` completions per prompt, identical on every rank."""
-        shares = self.split(prompts, params)
-        results: dict[int, list[Completion]] = {}
-        todo = {k for k in range(self.replicas) if shares[k]}
-        resyncs = 0
+        return self.collect(self.submit(prompts, params)).results
 
-        def work(engine):
-            mine = shares[self.replica]
+    def submit(self, prompts: list[list[int]], params: SamplingParams, work: Optional[Work] = None) -> Batch:
+        """Split ``prompts`` over the replicas and, with background generation, queue each leader's
+        share on its producer at once (collective: every rank calls it, in the same order). Without
+        a producer the share runs in :meth:`collect`. ``work`` defaults to the plain generate call."""
+        batch = Batch(prompts, params, work or generate_work(params), self.split(prompts, params))
+        if self.producer is not None and self.replica is not None and batch.shares[self.replica]:
+            batch.future = self.producer.submit(self._share_job(batch))
+        return batch
+
+    def _share_job(self, batch: Batch) -> Callable[[RolloutEngine], Any]:
+        mine = batch.shares[self.replica]
+
+        def job(engine):
             t0 = time.time()
-            groups = engine.generate([prompts[i] for i in mine], params, keys=mine)
-            tokens = sum(len(c.response_ids) for g in groups for c in g)
-            return groups, tokens, time.time() - t0
+            results = batch.work(engine, [batch.prompts[i] for i in mine], mine)
+            return results, time.time() - t0
 
+        return job
+
+    def collect(self, batch: Batch) -> Batch:
+        """Every replica's results of ``batch`` on every rank, in prompt order (``batch.results``,
+        ``batch.versions``). A replica whose engine restarted without the synced weights is resynced
+        and its share run again; whatever still fails raises on every rank."""
+        results: dict[int, Any] = {}
+        versions: dict[int, int] = {}
+        todo = {k for k in range(self.replicas) if batch.shares[k]}
+        resyncs = 0
+        pending = batch.future
         while todo:
-            outcomes, own = self._on_replicas(work, todo)
+            outcome: tuple[str, Any] = ("skip", None)
+            own = None
+            if self.replica in todo:
+                job = self._share_job(batch)
+                outcome, own = self._outcome(pending.result if pending is not None else lambda: self._run(job))
+            pending = None
+            outcomes = self._gather(outcome)
             resync = []
             for k in sorted(todo):
                 status, payload = outcomes[k]
                 if status == "ok":
-                    groups, tokens, seconds = payload
-                    results.update(zip(shares[k], groups))
-                    self._stats["tokens"][k] += tokens
+                    version, (share, seconds) = payload
+                    results.update(zip(batch.shares[k], share))
+                    versions.update((i, version) for i in batch.shares[k])
+                    self._stats["tokens"][k] += sum(len(x.response_ids) for g in share for x in g)
                     self._stats["seconds"][k] += seconds
+                    batch.seconds = max(batch.seconds, seconds)
                     todo.discard(k)
                 elif status == "resync":
                     resync.append(k)
@@ -198,12 +275,13 @@ class DistributedRollout:
                                    f"could not be resynced: {outcomes[k][1]}")
             if resync:
                 resyncs += 1
-                self.sync_weights(self._models)
-        out = [results[i] for i in range(len(prompts))]
-        lengths = [len(c.response_ids) for g in out for c in g]
+                self.sync_weights(self._models, self.version)
+        batch.results = [results[i] for i in range(len(batch.prompts))]
+        batch.versions = [versions[i] for i in range(len(batch.prompts))]
+        lengths = [len(x.response_ids) for g in batch.results for x in g]
         if lengths:
             self._response_len = sum(lengths) / len(lengths)
-        return out
+        return batch
 
     def take_stats(self) -> dict:
         """``rollout/*`` statistics of the generate calls since the last call: replicas, tokens/s of
@@ -224,25 +302,35 @@ class DistributedRollout:
     def _fresh_stats(self) -> dict:
         return {"tokens": [0] * self.replicas, "seconds": [0.0] * self.replicas}
 
-    def sync_weights(self, models) -> dict:
-        """Stream the trainer's weights into every replica; returns ``sync/*`` statistics."""
+    def sync_weights(self, models, version: Optional[int] = None) -> dict:
+        """Stream the trainer's weights into every replica, which then hold ``version`` (default:
+        the current one: a resync); returns ``sync/*`` statistics. A leader whose producer is busy
+        waits for it first (``sync/wait_s``): a sequence is never generated by two weight versions,
+        except that a partial-rollout job pauses between decoding steps instead of finishing."""
         from megatron_alp.models.hf_weights import iter_hf_weights
 
+        version = self.version if version is None else version
         model = _single(models)
         t0 = time.time()
-        stream = WeightStream(iter_hf_weights(model, self.cfg.sync_bucket_mb << 20))
         error = None
-        if self.engine is not None:
-            try:
-                self.engine.update_weights(stream)
-            except Exception as err:
-                error = err
-        stream.drain()  # every rank reaches the end of the collective, even after an engine error
+        with self.producer.updating(version) if self.producer is not None else contextlib.nullcontext():
+            # every rank waits here, on the CPU group that tolerates long waits, until each leader's
+            # engine is free: the weight gather below runs on the trainer's groups, whose timeouts would not
+            self._gather(None)
+            waited = time.time() - t0
+            stream = WeightStream(iter_hf_weights(model, self.cfg.sync_bucket_mb << 20))
+            if self.engine is not None:
+                try:
+                    self.engine.update_weights(stream)
+                except Exception as err:
+                    error = err
+            stream.drain()  # every rank reaches the end of the collective, even after an engine error
         self._check(self._gather(_picklable(error)), error, "weight sync")
         self._models = models
-        seconds = time.time() - t0
-        stats = {"sync/seconds": seconds, "sync/bytes": float(stream.bytes), "sync/tensors": float(stream.tensors),
-                 "sync/gbps": stream.bytes / max(seconds, 1e-9) / 1e9}
+        self.version = version
+        seconds = time.time() - t0 - waited
+        stats = {"sync/seconds": seconds, "sync/wait_s": waited, "sync/bytes": float(stream.bytes),
+                 "sync/tensors": float(stream.tensors), "sync/gbps": stream.bytes / max(seconds, 1e-9) / 1e9}
         if self.cfg.verify_sync:
             stats.update(self.verify(model))
         return stats
@@ -258,6 +346,7 @@ class DistributedRollout:
         outcomes, own = self._on_replicas(lambda engine: engine.generate(prompts, params), set(range(self.replicas)))
         self._check([payload if status != "ok" else None for status, payload in outcomes], own,
                     "the weight-sync probe")
+        outcomes = [(status, payload[1]) for status, payload in outcomes]
         trainer_dtype = next(model.parameters()).dtype
         tol = self.cfg.verify_tolerance or default_verify_tolerance(
             self.cfg.dtype, self.cfg.quantization, self.cfg.kv_cache_dtype, trainer_dtype)
@@ -289,17 +378,23 @@ class DistributedRollout:
     # --------------------------------------------------------------------------- lifecycle
 
     def sleep(self) -> None:
-        if self.engine is not None:
+        """Colocated engines free their memory while the trainer trains; separate ones keep theirs."""
+        if self.engine is not None and self.cfg.placement == "colocated":
             self.engine.sleep()
 
     def wake_up(self) -> None:
-        if self.engine is not None:
+        if self.engine is not None and self.cfg.placement == "colocated":
             self.engine.wake_up()
 
     def shutdown(self) -> None:
+        if self.producer is not None:
+            self.producer.close()
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+        if self.producer is not None:
+            self.producer.join(timeout=30)
+            self.producer = None
 
 
 def _data_parallel_size(world: int) -> int:

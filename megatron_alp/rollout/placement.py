@@ -1,11 +1,19 @@
 """Where rollout engine replicas run: which ranks start them, on which GPUs or CPU cores.
 
 The job's ``world`` ranks are cut into ``replicas`` consecutive blocks of ``stride = world /
-replicas`` ranks; the first rank of block k (its *leader*) starts replica k, colocated with the
-trainer ranks of its block. On GPUs the replica takes the block's first
-``rollout.tensor_parallel_size`` GPUs (the leader's own GPU first, so a tensor the leader hands
-over by CUDA IPC is device 0 for every engine worker); on the CPU, when several replicas share a
-machine, each gets its own share of the cores for its threads. Blocks never span nodes on GPUs.
+replicas`` ranks; the first rank of block k (its *leader*) starts replica k and talks to it.
+
+- ``rollout.placement: colocated``: the replica runs on its block's own devices. On GPUs it takes
+  the block's first ``rollout.tensor_parallel_size`` GPUs (the leader's own GPU first, so a tensor
+  the leader hands over by CUDA IPC is device 0 for every engine worker); on the CPU, when several
+  replicas share a machine (or ``rollout.cpu_cores`` is set), each gets its own share of the cores.
+- ``rollout.placement: separate``: the replicas run on devices no trainer rank uses: on GPUs the
+  node's ``rollout.gpus`` (the trainer ranks take the node's first GPUs), ``tensor_parallel_size``
+  each, led by the trainer ranks of the same node; on the CPU ``rollout.cpu_cores`` (default: the
+  second half of the job's cores), and the trainer ranks are pinned to the other cores
+  (:func:`trainer_cores`), so generation and training run side by side.
+
+Blocks never span nodes on GPUs.
 """
 
 from __future__ import annotations
@@ -44,11 +52,19 @@ class Placement:
     cores: Optional[tuple[int, ...]] = None
 
 
-def replica_layout(cfg: RolloutConfig, world: int, data_parallel: int, gpu: bool) -> ReplicaLayout:
-    """Resolve ``rollout.replicas`` for a job of ``world`` ranks (ConfigError when it cannot be placed)."""
+def replica_layout(cfg: RolloutConfig, world: int, data_parallel: int, gpu: bool,
+                   local_world: Optional[int] = None) -> ReplicaLayout:
+    """Resolve ``rollout.replicas`` for a job of ``world`` ranks, ``local_world`` per node (default:
+    all on one node); ConfigError when it cannot be placed."""
     tp = cfg.tensor_parallel_size
+    local_world = local_world or world
+    if cfg.placement == "separate" and gpu:
+        return _separate_gpu_layout(cfg, world, local_world)
     if cfg.replicas == "auto":
-        replicas = max(1, world // tp) if gpu else max(1, data_parallel)
+        if cfg.placement == "separate":  # CPU: one replica per machine on its engine cores
+            replicas = max(1, world // local_world)
+        else:
+            replicas = max(1, world // tp) if gpu else max(1, data_parallel)
     else:
         replicas = cfg.replicas
     if world % replicas:
@@ -59,6 +75,24 @@ def replica_layout(cfg: RolloutConfig, world: int, data_parallel: int, gpu: bool
         raise ConfigError(f"rollout.replicas={replicas} on {world} GPUs leaves {stride} GPU(s) per replica, "
                           f"fewer than rollout.tensor_parallel_size={tp}")
     return ReplicaLayout(replicas=replicas, stride=stride)
+
+
+def _separate_gpu_layout(cfg: RolloutConfig, world: int, local_world: int) -> ReplicaLayout:
+    """``len(rollout.gpus) / tensor_parallel_size`` replicas per node, each led by one of the node's
+    trainer ranks (every ``stride``-th)."""
+    if not cfg.gpus:
+        raise ConfigError("rollout.placement: separate on GPUs needs rollout.gpus, the GPUs of each node the "
+                          "engines use (e.g. [4, 5, 6, 7] with 4 trainer ranks per 8-GPU node)")
+    per_node = len(cfg.gpus) // cfg.tensor_parallel_size
+    if local_world % per_node:
+        raise ConfigError(f"rollout.gpus holds {per_node} replica(s) of rollout.tensor_parallel_size="
+                          f"{cfg.tensor_parallel_size} per node, which must divide the node's {local_world} trainer "
+                          "ranks (each replica is led by one of them)")
+    replicas = per_node * (world // local_world)
+    if cfg.replicas != "auto" and cfg.replicas != replicas:
+        raise ConfigError(f"rollout.replicas={cfg.replicas}, but rollout.gpus and rollout.tensor_parallel_size "
+                          f"place {replicas} replicas on this job's nodes (use auto)")
+    return ReplicaLayout(replicas=replicas, stride=world // replicas)
 
 
 def visible_gpus() -> list[int]:
@@ -76,22 +110,55 @@ def engine_placement(cfg: RolloutConfig, layout: ReplicaLayout, rank: int, local
     replica = layout.replica_of(rank)
     if replica is None:
         return None
+    local_replicas = max(1, local_world // layout.stride)
+    j = (local_rank // layout.stride) % local_replicas  # this replica's index on its node
+    tp = cfg.tensor_parallel_size
     if gpu:
         gpus = visible_gpus()
-        tp = cfg.tensor_parallel_size
+        if cfg.placement == "separate":
+            wanted = cfg.gpus[j * tp:(j + 1) * tp]
+            clash = [g for g in wanted if g < local_world or g >= len(gpus)]
+            if clash:
+                raise ConfigError(f"rollout.gpus {cfg.gpus}: GPU(s) {clash} of rollout replica {replica} are not free "
+                                  f"for the engine: the node's {local_world} trainer ranks use GPUs 0-{local_world - 1} "
+                                  f"and it has {len(gpus)} GPUs")
+            return Placement(replica, layout.replicas, gpus=tuple(gpus[g] for g in wanted))
         if local_rank + tp > len(gpus):
             raise ConfigError(f"rollout replica {replica} (rank {rank}, local GPU {local_rank}) needs "
                               f"rollout.tensor_parallel_size={tp} GPUs of its node, which has {len(gpus)}")
         return Placement(replica, layout.replicas, gpus=tuple(gpus[local_rank:local_rank + tp]))
-    local_replicas = max(1, local_world // layout.stride)
-    if local_replicas == 1:
+    engine_cores = engine_core_pool(cfg)
+    if engine_cores is None and local_replicas == 1:
         return Placement(replica, layout.replicas)
-    cores = sorted(os.sched_getaffinity(0))
+    cores = engine_cores or sorted(os.sched_getaffinity(0))
     share = len(cores) // local_replicas
     if share == 0:
+        if engine_cores is not None:
+            raise ConfigError(f"rollout.cpu_cores {list(engine_cores)} has fewer cores than the {local_replicas} "
+                              "engine replicas of this machine")
         return Placement(replica, layout.replicas)
-    j = (local_rank // layout.stride) % local_replicas
     return Placement(replica, layout.replicas, cores=tuple(cores[j * share:(j + 1) * share]))
+
+
+def engine_core_pool(cfg: RolloutConfig) -> Optional[list[int]]:
+    """The CPU cores of a machine's engine replicas: ``rollout.cpu_cores``, with ``placement:
+    separate`` by default the second half (at least one) of this process's cores; None: unpinned."""
+    if cfg.cpu_cores:
+        return list(cfg.cpu_cores)
+    if cfg.placement != "separate":
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    return cores[len(cores) // 2:] if len(cores) > 1 else cores
+
+
+def trainer_cores(cfg: RolloutConfig) -> Optional[list[int]]:
+    """With ``placement: separate`` on the CPU, the cores the trainer ranks keep (this process's
+    cores minus the engines'); None when the trainer shares every core with the engines."""
+    if cfg.placement != "separate":
+        return None
+    engines = set(engine_core_pool(cfg) or ())
+    mine = [c for c in sorted(os.sched_getaffinity(0)) if c not in engines]
+    return mine or None
 
 
 def placement_vars(placement: Optional[Placement]) -> dict[str, str]:
@@ -108,13 +175,19 @@ def placement_vars(placement: Optional[Placement]) -> dict[str, str]:
 @contextlib.contextmanager
 def placement_env(placement: Optional[Placement]) -> Iterator[None]:
     """:func:`placement_vars` set in this process while an engine starts its processes, then
-    restored: this process keeps its own devices."""
+    restored: this process keeps its own devices. On CPU cores this process's affinity is the
+    replica's meanwhile too, so the engine's processes inherit it (its Python threads included, not
+    only the compute threads that vLLM pins)."""
     wanted = placement_vars(placement)
     saved = {k: os.environ.get(k) for k in wanted}
+    affinity = os.sched_getaffinity(0)
     os.environ.update(wanted)
+    if placement is not None and placement.cores is not None:
+        os.sched_setaffinity(0, placement.cores)
     try:
         yield
     finally:
+        os.sched_setaffinity(0, affinity)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

@@ -37,6 +37,7 @@ import os
 import shutil
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -131,6 +132,49 @@ def forget_dead_vllm_groups() -> None:
             setattr(vps, name, None)
 
 
+def _sampled_logprobs(c, tokens: list[int], i: int, j: int) -> list[float]:
+    """The logprob of each sampled token of a vLLM CompletionOutput (or of its latest delta)."""
+    if c.logprobs is None or len(c.logprobs) != len(tokens):
+        raise RolloutError(f"prompt {i} sample {j}: vLLM returned logprobs for "
+                           f"{0 if c.logprobs is None else len(c.logprobs)} of {len(tokens)} tokens")
+    return [float(step[t].logprob) for step, t in zip(c.logprobs, tokens)]
+
+
+class _Partial:
+    """Partial rollouts: each sample's tokens, logprobs and text so far (vLLM streams deltas), and
+    the (first token, weight version) of each span, kept across the weight updates it outlives."""
+
+    def __init__(self, version: int):
+        self.version = version
+        self._samples: dict[tuple[int, int], tuple[list, list, list, list]] = {}
+
+    def _get(self, key):
+        return self._samples.setdefault(key, ([], [], [], [(0, self.version)]))
+
+    def extend(self, key, c) -> None:
+        tokens, logprobs, texts, _ = self._get(key)
+        new = list(c.token_ids)
+        logprobs.extend(_sampled_logprobs(c, new, *key))
+        tokens.extend(new)
+        texts.append(c.text)
+
+    def tokens(self, i: int, j: int) -> list[int]:
+        return list(self._get((i, j))[0])
+
+    def text(self, key) -> str:
+        return "".join(self._get(key)[2])
+
+    def new_span(self, i: int, j: int, version: int) -> int:
+        """Start a span at the current end of sample (i, j); returns its number (1, 2, ...)."""
+        spans = self._get((i, j))[3]
+        spans.append((len(self._get((i, j))[0]), version))
+        return len(spans) - 1
+
+    def pop(self, key) -> tuple[list[int], list[float], list[tuple[int, int]]]:
+        tokens, logprobs, _, spans = self._get(key)
+        return tokens, logprobs, spans
+
+
 class _EngineFailure(Exception):
     """The engine itself failed during a request (as opposed to a bad request)."""
 
@@ -145,6 +189,7 @@ def _in_process_client(llm):
 @register_engine("vllm")
 class VLLMEngine(RolloutEngine):
     sync_methods = ("memory", "folder")
+    partial_rollouts = True
 
     def __init__(self, cfg: RolloutConfig, model_dir: str, seed: int = 0, placement: Optional[Placement] = None):
         self.cfg = cfg
@@ -160,7 +205,7 @@ class VLLMEngine(RolloutEngine):
         self._quant = vllm_quantization_args(cfg, has_gpu())
         if not has_gpu() and cfg.tensor_parallel_size > 1:
             raise ValueError("rollout.tensor_parallel_size > 1 needs GPUs; on the CPU use 1")
-        self.subprocess = self._wants_subprocess(cfg.engine_process)
+        self.subprocess = self._wants_subprocess(cfg)
         self._sync_root: Optional[Path] = None
         self._weights_dir: Optional[Path] = None  # folder of the current weights (out-of-process path)
         self._writer: Optional[BucketWriter] = None  # shared-memory buckets (in-memory path to a subprocess)
@@ -174,9 +219,13 @@ class VLLMEngine(RolloutEngine):
         self._start()
 
     @staticmethod
-    def _wants_subprocess(mode: str) -> bool:
-        if mode != "auto":
-            return mode == "subprocess"
+    def _wants_subprocess(cfg: RolloutConfig) -> bool:
+        """``engine_process``; ``auto``: a subprocess under torchrun and for engines on devices or
+        cores of their own (``placement: separate``, ``cpu_cores``)."""
+        if cfg.engine_process != "auto":
+            return cfg.engine_process == "subprocess"
+        if cfg.placement == "separate" or cfg.cpu_cores:
+            return True
         import torch.distributed as dist
 
         return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -382,10 +431,12 @@ class VLLMEngine(RolloutEngine):
 
     # ------------------------------------------------------------------------------ generate
 
-    def _vllm_params(self, params: SamplingParams, seed: Optional[int] = None):
+    def _vllm_params(self, params: SamplingParams, seed: Optional[int] = None, delta: bool = False):
         from vllm import SamplingParams as VllmSamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         return VllmSamplingParams(
+            output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY,
             n=1,  # one request per sample: a failed sample is retried alone
             seed=seed,
             temperature=params.temperature,
@@ -421,26 +472,35 @@ class VLLMEngine(RolloutEngine):
 
     def _attempt(self, prompts, pending, params: SamplingParams, keys: list[int]) -> tuple[dict, Optional[str]]:
         """One pass over the ``pending`` (prompt, sample) pairs: the finished samples, and what went
-        wrong with the rest. Seeded samples draw from (seed, keys[prompt], sample)."""
-        shared = self._vllm_params(params) if params.seed is None else None
+        wrong with the rest. Seeded samples draw from (seed, keys[prompt], sample). With an
+        :attr:`interruption` (partial rollouts) a waiting weight update stops the unfinished samples
+        between decoding steps; they continue after it from what they had generated."""
         engine = self._llm.llm_engine
         self._batches += 1
-        ids = {f"b{self._batches}-p{i}-s{j}": (i, j) for i, j in pending}
+        partial = _Partial(self.interruption.version) if self.interruption is not None else None
+        ids: dict[str, tuple[int, int]] = {}
         got: dict[tuple[int, int], Completion] = {}
         aborted = 0
-        limit = attempt_timeout(self.cfg, len(ids), params.max_tokens)
+        limit = attempt_timeout(self.cfg, len(pending), params.max_tokens)
         deadline = time.monotonic() + limit
         try:
             from vllm.exceptions import VLLMClientError
 
-            for rid, (i, j) in ids.items():
-                vparams = shared if shared is not None else self._vllm_params(
-                    params, seed=derive_seed(params.seed, keys[i], j))
+            def add(i: int, j: int, span: int = 0) -> None:
+                done = partial.tokens(i, j) if partial is not None else []
+                seed = None if params.seed is None else derive_seed(params.seed, keys[i], j, *([span] if span else []))
+                vparams = self._vllm_params(replace(params, max_tokens=params.max_tokens - len(done)), seed=seed,
+                                            delta=partial is not None)
+                rid = f"b{self._batches}-p{i}-s{j}" + (f"-c{span}" if span else "")
+                ids[rid] = (i, j)
                 try:
-                    engine.add_request(rid, {"prompt_token_ids": list(prompts[i])}, vparams)
+                    engine.add_request(rid, {"prompt_token_ids": list(prompts[i]) + done}, vparams)
                 except (ValueError, VLLMClientError) as err:  # a refused request: retrying cannot help
                     engine.abort_request(list(ids))
                     raise RolloutError(f"vLLM refused prompt {i}: {err}") from err
+
+            for i, j in pending:
+                add(i, j)
             while engine.has_unfinished_requests():
                 if time.monotonic() > deadline:
                     unfinished = [rid for rid, key in ids.items() if key not in got]
@@ -449,37 +509,55 @@ class VLLMEngine(RolloutEngine):
                         engine.step()
                     return got, (f"timed out after {limit:g} s with "
                                  f"{len(unfinished)} of {len(ids)} samples unfinished")
+                if partial is not None and self.interruption.requested():
+                    stopped = [rid for rid, key in ids.items() if key not in got]
+                    engine.abort_request(stopped)
+                    while engine.has_unfinished_requests():
+                        engine.step()
+                    version = self.interruption.pause()  # the weights change here
+                    for rid in stopped:
+                        i, j = ids.pop(rid)
+                        add(i, j, partial.new_span(i, j, version))
+                    continue
                 for out in engine.step():
-                    if out.finished and out.request_id in ids:
-                        completion = self._completion(out, prompts, ids[out.request_id])
+                    if out.request_id not in ids:
+                        continue
+                    key = ids[out.request_id]
+                    if partial is not None:
+                        partial.extend(key, out.outputs[0])
+                    if out.finished:
+                        completion = self._completion(out, prompts, key, partial)
                         if completion is None:
                             aborted += 1
                         else:
-                            got[ids[out.request_id]] = completion
+                            got[key] = completion
         except RolloutError:
             raise
         except Exception as err:
             raise _EngineFailure(f"{type(err).__name__}: {err}") from err
-        problem = f"{aborted} of {len(ids)} samples aborted by the engine" if aborted else None
-        if not aborted and len(got) < len(ids):
-            problem = f"{len(ids) - len(got)} of {len(ids)} samples never finished"
+        problem = f"{aborted} of {len(pending)} samples aborted by the engine" if aborted else None
+        if not aborted and len(got) < len(pending):
+            problem = f"{len(pending) - len(got)} of {len(pending)} samples never finished"
         return got, problem
 
-    @staticmethod
-    def _completion(out, prompts, key) -> Optional[Completion]:
+    def _completion(self, out, prompts, key, partial: Optional["_Partial"] = None) -> Optional[Completion]:
         i, j = key
         c = out.outputs[0]
         if c.finish_reason not in ("stop", "length"):
             return None  # aborted: retried
-        tokens = list(c.token_ids)
-        if c.logprobs is None or len(c.logprobs) != len(tokens):
-            raise RolloutError(f"prompt {i} sample {j}: vLLM returned logprobs for "
-                               f"{0 if c.logprobs is None else len(c.logprobs)} of {len(tokens)} tokens")
-        logprobs = [float(step[t].logprob) for step, t in zip(c.logprobs, tokens)]
+        if partial is not None:
+            tokens, logprobs, spans = partial.pop(key)
+            text = self._llm.get_tokenizer().decode(tokens, skip_special_tokens=True) if len(spans) > 1 else \
+                partial.text(key)
+        else:
+            tokens = list(c.token_ids)
+            logprobs = _sampled_logprobs(c, tokens, i, j)
+            spans, text = None, c.text
         if not is_finite(logprobs):
             raise RolloutError(f"prompt {i} sample {j}: non-finite logprob from vLLM (broken weights?)")
         return Completion(prompt_ids=list(prompts[i]), response_ids=tokens, logprobs=logprobs,
-                          finish_reason=c.finish_reason, text=c.text, stop_reason=c.stop_reason)
+                          finish_reason=c.finish_reason, text=text, stop_reason=c.stop_reason,
+                          version_spans=spans if spans and len(spans) > 1 else None)
 
     def engine_pids(self) -> list[int]:
         """Process ids of the engine-core subprocess(es); empty when the engine runs in process."""

@@ -1,0 +1,130 @@
+"""A replica leader's engine driven from a background thread, so it generates while the trainer trains.
+
+With ``trainer.max_staleness`` >= 1 every engine call of a replica leader goes through its
+:class:`RolloutProducer`: jobs (a generate call, a batch of multi-turn episodes, a weight-sync
+probe) run one at a time, in submission order, on the producer's thread, while the trainer's
+thread goes on with the update. The engine's weights change only inside :meth:`updating`, which
+waits until no job holds the engine, so a job runs under one weight version from start to end.
+
+Partial rollouts (``rollout.partial_rollout``): the producer is also the engine's
+:class:`~megatron_alp.rollout.base.Interruption`. A waiting update sets :meth:`requested`; the
+engine sees it between decoding steps, stops its unfinished requests and calls :meth:`pause`, which
+hands the engine to the update and returns the new version once it is done; the engine then
+continues the stopped sequences. Nothing else touches the engine while a job is paused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import deque
+from concurrent.futures import Future
+from typing import Any, Callable, Iterator
+
+from megatron_alp.rollout.base import EngineRestarted, RolloutEngine, RolloutError
+
+
+class RolloutProducer:
+    def __init__(self, engine: RolloutEngine, version: int, partial_rollouts: bool = False):
+        self.engine = engine
+        self.version = version  # the weight version the engine holds
+        self._cond = threading.Condition()
+        self._jobs: deque[tuple[Callable[[RolloutEngine], Any], Future]] = deque()
+        self._running = False  # a job holds the engine (it may be paused)
+        self._paused = False  # the running job waits in pause() for an update
+        self._update = False  # an update waits for, or holds, the engine
+        self._closed = False
+        self._lost_weights: str | None = None  # the engine restarted without the synced weights
+        if partial_rollouts:
+            engine.interruption = self
+        self._thread = threading.Thread(target=self._loop, name="megatron-alp-rollout-producer", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------------------- jobs
+
+    def submit(self, work: Callable[[RolloutEngine], Any]) -> Future:
+        """Queue ``work(engine)``; its Future holds ``(version at its start, result)``."""
+        future: Future = Future()
+        with self._cond:
+            if self._closed:
+                raise RolloutError("the rollout producer is closed")
+            self._jobs.append((work, future))
+            self._cond.notify_all()
+        return future
+
+    def run(self, work: Callable[[RolloutEngine], Any]) -> tuple[int, Any]:
+        """``work`` after everything queued before it; ``(version, result)``."""
+        return self.submit(work).result()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and (not self._jobs or self._update):
+                    self._cond.wait()
+                if self._closed:
+                    return
+                work, future = self._jobs.popleft()
+                self._running = True
+                version = self.version
+            try:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        if self._lost_weights is not None:  # never generate from the restarted engine's own weights
+                            raise EngineRestarted(self._lost_weights)
+                        future.set_result((version, work(self.engine)))
+                    except EngineRestarted as err:
+                        self._lost_weights = str(err)
+                        future.set_exception(err)
+                    except BaseException as err:  # handed to whoever waits on the job
+                        future.set_exception(err)
+            finally:
+                with self._cond:
+                    self._running = False
+                    self._cond.notify_all()
+
+    # ----------------------------------------------------------------------------- updates
+
+    @contextlib.contextmanager
+    def updating(self, version: int) -> Iterator[None]:
+        """Exclusive use of the engine for a weight update (the caller's thread); afterwards the
+        engine holds ``version``. Waits for the running job to end, or to pause (partial rollouts)."""
+        with self._cond:
+            self._update = True
+            while self._running and not self._paused:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.version = version
+                self._lost_weights = None
+                self._update = False
+                self._cond.notify_all()
+
+    def requested(self) -> bool:
+        """Whether an update waits for the engine (read by the engine between decoding steps)."""
+        return self._update
+
+    def pause(self) -> int:
+        """Called by the running job: let the waiting update run; returns the version after it."""
+        with self._cond:
+            self._paused = True
+            self._cond.notify_all()
+            while self._update:
+                self._cond.wait()
+            self._paused = False
+            return self.version
+
+    # --------------------------------------------------------------------------- lifecycle
+
+    def close(self) -> None:
+        """Stop taking jobs and cancel the queued ones; a running job is left to end (shutting the
+        engine down ends it; then :meth:`join`)."""
+        with self._cond:
+            self._closed = True
+            while self._jobs:
+                self._jobs.popleft()[1].cancel()
+            self._cond.notify_all()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
