@@ -38,7 +38,8 @@ class Groups:
         if self.rewards.dim() != 1 or len(self.rewards) != len(self.trajectories):
             raise ValueError(f"Groups: {len(self.trajectories)} trajectories but rewards of shape "
                              f"{tuple(self.rewards.shape)} (expected one reward per trajectory)")
-        if (len(self.trajectories) % len(self.prompts) if self.prompts else self.trajectories):
+        whole = len(self.trajectories) % len(self.prompts) == 0 if self.prompts else not self.trajectories
+        if not whole:
             raise ValueError(f"Groups: {len(self.trajectories)} trajectories are not a whole number of "
                              f"groups for {len(self.prompts)} prompts")
 
