@@ -239,7 +239,15 @@ class LossConfig(_Section):
         20.0, gt=0.0, description="Clamp |log ratio| before exp() for numerical safety."
     )
     aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = Field(
-        "token-mean", description="How per-token losses reduce to the batch loss."
+        "token-mean",
+        description="How per-token losses reduce to the batch loss. The normalisers count loss tokens, and "
+        "sequences with at least one loss token, over the whole mini-batch.",
+    )
+    mask_truncated: bool = Field(
+        False,
+        description="Overlong filtering (DAPO): take responses cut by the length limit (finish reason "
+        "`length`) out of the loss entirely, their tokens out of the normalisers too; their rewards still "
+        "count in their group's advantages. Logged: `response/masked_truncated_frac`.",
     )
     kl_coef: float = Field(0.001, ge=0.0, description="Coefficient of the KL penalty to the reference.")
     kl_type: Literal["k1", "k3"] = Field(
@@ -545,6 +553,18 @@ class RewardConfig(_Section):
         5.0, gt=0.0, description="Per-sample time limit; an answer that exceeds it scores 0."
     )
     workers: int = Field(2, ge=1, description="Reward worker processes.")
+    overlong_buffer: int = Field(
+        0,
+        ge=0,
+        description="DAPO soft overlong punishment L_c (0: off), added to the reward on rank 0 before the "
+        "advantages: with L_max = `rollout.sampling.max_response_length`, a response of |y| tokens gets 0 "
+        "while |y| <= L_max - L_c, ((L_max - L_c) - |y|) / L_c * `overlong_penalty` up to L_max, and "
+        "-`overlong_penalty` beyond. In multi-turn TIR episodes |y| counts interpreter-output tokens too: "
+        "they spend the same budget. Logged: `reward/overlong_penalty_mean`.",
+    )
+    overlong_penalty: float = Field(
+        1.0, ge=0.0, description="Largest overlong punishment (reached at L_max), with `overlong_buffer`."
+    )
 
 
 class SandboxConfig(_Section):
@@ -666,6 +686,21 @@ class TrainerConfig(_Section):
         "(`staleness/regenerated_groups`). Every trajectory records its policy version; `staleness/mean` and "
         "`staleness/max` are logged. ALP's single ratio is against the policy that generated the tokens, so "
         "staleness and engine mismatch are corrected by the same ratio.",
+    )
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO dynamic sampling: drop the GRPO groups whose n rewards are all equal (zero advantage, "
+        "no policy-gradient signal) and sample more prompts in extra rounds until the batch has "
+        "`prompts_per_iteration` groups whose rewards differ (the first ones, in sampling order). A round asks "
+        "for the missing groups / the keep rate so far x 1.25 (at most 4 x `prompts_per_iteration` prompts), "
+        "with per-sample seeds of (seed, iteration, round), so a resumed run replays it. After "
+        "`dynamic_sampling_max_rounds` rounds a short batch is completed with zero-variance groups (zero "
+        "advantage), never an error. Extra rounds draw from the data, so epochs end sooner. Logged: `dynamic_sampling/rounds`, `generated_groups`, `kept_frac` (groups whose rewards "
+        "differ / generated), `filled_groups` (zero-variance groups trained on) and `reward_mean` (all "
+        "generated responses; `reward/mean` is the trained batch's). Needs `rollout.sampling.n` >= 2.",
+    )
+    dynamic_sampling_max_rounds: int = Field(
+        4, ge=0, description="Extra generation rounds per iteration allowed to `dynamic_sampling`."
     )
     seed: int = Field(1, description="Global seed (model init, sampling engine, data order).")
     save_interval: int = Field(10, ge=1, description="Save a checkpoint every this many iterations.")
@@ -808,6 +843,12 @@ class Config(_Section):
         if self.rollout.partial_rollout and self.tir.enabled:
             raise ValueError("rollout.partial_rollout with tir.enabled: a multi-turn episode is generated in several "
                              "calls whose spans are not tracked across turns; use partial_rollout: false")
+        if self.trainer.dynamic_sampling and self.rollout.sampling.n < 2:
+            raise ValueError("trainer.dynamic_sampling keeps groups whose rewards differ and needs "
+                             f"rollout.sampling.n >= 2 (got {self.rollout.sampling.n})")
+        if self.reward.overlong_buffer > self.rollout.sampling.max_response_length:
+            raise ValueError(f"reward.overlong_buffer={self.reward.overlong_buffer} is longer than "
+                             f"rollout.sampling.max_response_length={self.rollout.sampling.max_response_length}")
         if self.tir.enabled and "system_prompt" not in self.data.model_fields_set:
             self.data = self.data.model_copy(update={"system_prompt": TIR_SYSTEM_PROMPT})
         return self

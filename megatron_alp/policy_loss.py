@@ -22,6 +22,9 @@ normaliser, as in the paper's ``1/n sum_i sum_t Mask * ...``. Log-ratios are cla
 
 Normalisation: ``global_tokens``/``global_seqs`` count the whole mini-batch (all micro-batches,
 all data-parallel ranks), so the micro-batch losses returned here sum to the mini-batch loss.
+Both count loss tokens only (:func:`loss_counts`): a sequence without any (an empty response, an
+episode of void turns, a truncated response under ``loss.mask_truncated``) is out of the loss as
+if it were not in the batch, and a mini-batch without loss tokens has loss 0, never NaN.
 """
 
 from __future__ import annotations
@@ -268,6 +271,12 @@ def aggregate(values: Tensor, mask: Tensor, mode: str, global_tokens: float, glo
     )
 
 
+def loss_counts(mask: Tensor) -> tuple[float, float]:
+    """Loss tokens and sequences with at least one loss token, the normalisers of ``mask``."""
+    keep = mask > 0
+    return float(keep.sum()), float(keep.any(-1).sum())
+
+
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, kind: str, clamp: float, bound: float) -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) on samples of pi: ``k1 = log pi - log pi_ref``,
     ``k3 = r - 1 - log r`` with ``r = pi_ref / pi`` (low variance, >= 0), bounded to
@@ -321,8 +330,9 @@ def policy_loss(cfg: LossConfig, inputs: LossInputs) -> tuple[Tensor, dict[str, 
     spec = get_policy_loss(cfg.name)
     _check(cfg, spec, inputs)
     mask = inputs.mask > 0
-    tokens = float(mask.sum()) if inputs.global_tokens is None else float(inputs.global_tokens)
-    seqs = float(mask.shape[0]) if inputs.global_seqs is None else float(inputs.global_seqs)
+    local_tokens, local_seqs = loss_counts(mask)
+    tokens = local_tokens if inputs.global_tokens is None else float(inputs.global_tokens)
+    seqs = local_seqs if inputs.global_seqs is None else float(inputs.global_seqs)
 
     r = spec.ratio_fn(cfg, inputs, mask)
     log_ratio = r.log_ratio.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)

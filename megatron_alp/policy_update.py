@@ -29,7 +29,7 @@ from megatron_alp.metrics import StepMetrics
 from megatron_alp.micro_batch import Batching, MicroBatch, micro_batches
 from megatron_alp.models.output_layer import emitting_hidden, output_weight
 from megatron_alp.perturbation import next_microbatch, perturbed_step
-from megatron_alp.policy_loss import LossInputs, policy_loss
+from megatron_alp.policy_loss import LossInputs, loss_counts, policy_loss
 from megatron_alp.rl_batch import RLBatch, build_rl_batch
 from megatron_alp.rollout.base import Trajectory
 from megatron_alp.rollout.weight_sync import mismatch_stats
@@ -147,8 +147,9 @@ def probe_mismatch(model, trajectories: list[Trajectory]) -> dict:
 
 
 def global_counts(batch: RLBatch) -> tuple[float, float]:
-    """Loss tokens and sequences of a mini-batch summed over data-parallel ranks."""
-    tokens, seqs = float(batch.loss_mask.sum().item()), float(len(batch))
+    """Loss tokens and sequences with loss tokens (:func:`loss_counts`) of a mini-batch, summed over
+    data-parallel ranks."""
+    tokens, seqs = loss_counts(batch.loss_mask)
     if ps.get_data_parallel_world_size() == 1:
         return tokens, seqs
     group = ps.get_data_parallel_group()

@@ -83,6 +83,14 @@ def build_rl_batch(trajectories: list[Trajectory], advantages: torch.Tensor, pad
     return RLBatch(tokens, targets, mask, rollout, advantages.float().reshape(n), lengths)
 
 
+def exclude_from_loss(batch: RLBatch, rows: torch.Tensor) -> None:
+    """Take the responses ``rows`` (bool ``[N]``) out of the loss, in place: their loss tokens are
+    masked, so they leave the token and sequence counts of the normalisation as if deleted
+    (``loss.mask_truncated``). Their rewards have already shaped their group's advantages."""
+    batch.loss_mask[rows] = 0.0
+    batch.rollout_logprobs[rows] = 0.0
+
+
 def dp_assignment(rows: int, dp_size: int, mini_batches: int = 1,
                   costs: Optional[Sequence[float]] = None) -> list[list[list[int]]]:
     """Row indices of each data-parallel rank in each of ``mini_batches`` equal mini-batches (in

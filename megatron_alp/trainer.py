@@ -15,9 +15,10 @@ Every rank runs this file under torchrun. Prompt sampling is deterministic and i
 ranks; rollouts and rewards are produced once and broadcast; each data-parallel rank trains on
 its share of every mini-batch, so an optimizer step sees the same rows on any number of ranks.
 Randomness is re-derived from (seed, iteration) at the start of every iteration, each rollout
-sample from (seed, iteration, prompt, sample) (``rollout.sampling.per_sample_seeds``) and ALP
-noise from (seed, step, micro-batch, ranks), so a resumed run replays exactly what an
-uninterrupted run would have done, and another parallel layout samples the same rollouts.
+sample from (seed, iteration[, dynamic-sampling round], prompt, sample)
+(``rollout.sampling.per_sample_seeds``) and ALP noise from (seed, step, micro-batch, ranks), so a
+resumed run replays exactly what an uninterrupted run would have done, and another parallel
+layout samples the same rollouts.
 """
 
 from __future__ import annotations
@@ -347,23 +348,66 @@ class RLTrainer:
         seeded = s.per_sample_seeds if s.per_sample_seeds is not None else not has_gpu()
         return derive_seed(self.cfg.trainer.seed, *keys) if seeded else None
 
-    def _sampling_params(self, iteration: int):
+    def _sampling_params(self, iteration: int, round_: int = 0):
+        """Sampling settings of ``iteration``'s batch; ``round_`` > 0: a dynamic-sampling round's,
+        seeded from (seed, iteration, round)."""
         from megatron_alp.rollout.base import SamplingParams
 
         s = self.cfg.rollout.sampling
+        keys = (iteration, round_) if round_ else (iteration,)
         return SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                              max_tokens=s.max_response_length, seed=self._sample_seed(iteration))
+                              max_tokens=s.max_response_length, seed=self._sample_seed(*keys))
 
-    def _rollouts(self, prompts) -> list:
-        """This iteration's trajectories, generated now by every replica with the current weights."""
+    def _rollouts(self, prompts, round_: int = 0) -> list:
+        """Trajectories of ``prompts``, generated now by every replica with the current weights."""
         from megatron_alp.tir.multi_turn import sample_trajectories
 
         trajectories = sample_trajectories(self.rollout, [p.prompt_ids for p in prompts],
-                                           self._sampling_params(self.iteration), self.cfg.tir, self.tokenizer,
-                                           self.executor, broadcast=self.rollout._broadcast)
+                                           self._sampling_params(self.iteration, round_), self.cfg.tir,
+                                           self.tokenizer, self.executor, broadcast=self.rollout._broadcast)
         for t in trajectories:
             t.policy_version = self.rollout.version
         return trajectories
+
+    def _sample_groups(self, timing: dict):
+        """This iteration's scored GRPO groups: ``trainer.prompts_per_iteration`` prompts (generated
+        ahead with asynchronous training), or with ``trainer.dynamic_sampling`` as many rounds as it
+        takes to fill the batch with groups whose rewards differ
+        (:func:`~megatron_alp.dynamic_sampling.fill_batch`; extra rounds are generated now, with the
+        current weights). Collective: every rank draws the same prompts and gets the same rewards, so
+        all agree on the rounds."""
+        from megatron_alp.dynamic_sampling import Groups, fill_batch
+
+        t = self.cfg.trainer
+        if self.max_staleness:
+            prompts, trajectories = self._async_rollouts(timing)
+            t0 = time.time()
+            first = Groups(prompts, trajectories, self._rewards(trajectories, prompts))
+            timing["timing/reward_s"] = time.time() - t0
+            timing["rollout/response_tokens"] = float(sum(len(t.response_ids) for t in trajectories))
+        else:
+            first = self._scored_round(self.sampler.next_batch(t.prompts_per_iteration), 0, timing)
+        if not t.dynamic_sampling:
+            return first
+        groups, stats = fill_batch(first, lambda k, r: self._scored_round(self.sampler.next_batch(k), r, timing),
+                                   wanted=t.prompts_per_iteration, n=self.cfg.rollout.sampling.n,
+                                   max_rounds=t.dynamic_sampling_max_rounds)
+        timing.update(stats)
+        return groups
+
+    def _scored_round(self, prompts, round_: int, timing: dict):
+        """One generation round: ``prompts``' rollouts and rewards (timed into ``timing``)."""
+        from megatron_alp.dynamic_sampling import Groups
+
+        t0 = time.time()
+        trajectories = self._rollouts(prompts, round_)
+        t1 = time.time()
+        rewards = self._rewards(trajectories, prompts)
+        timing["timing/rollout_s"] = timing.get("timing/rollout_s", 0.0) + t1 - t0
+        timing["timing/reward_s"] = timing.get("timing/reward_s", 0.0) + time.time() - t1
+        timing["rollout/response_tokens"] = timing.get("rollout/response_tokens", 0.0) + float(
+            sum(len(t.response_ids) for t in trajectories))
+        return Groups(prompts, trajectories, rewards)
 
     # ----------------------------------------------------------------- asynchronous rollouts
 
@@ -430,6 +474,37 @@ class RLTrainer:
             return self._submitted[min(self._submitted)].sampler_state
         return self.sampler.state_dict()
 
+    def _sample_groups(self, timing: dict):
+        """This iteration's scored GRPO groups: ``trainer.prompts_per_iteration`` prompts, or with
+        ``trainer.dynamic_sampling`` as many rounds as it takes to fill the batch with groups whose
+        rewards differ (:func:`~megatron_alp.dynamic_sampling.fill_batch`). Collective: every rank
+        draws the same prompts and gets the same rewards, so all agree on the rounds."""
+        from megatron_alp.dynamic_sampling import fill_batch
+
+        t = self.cfg.trainer
+        first = self._scored_round(self.sampler.next_batch(t.prompts_per_iteration), 0, timing)
+        if not t.dynamic_sampling:
+            return first
+        groups, stats = fill_batch(first, lambda k, r: self._scored_round(self.sampler.next_batch(k), r, timing),
+                                   wanted=t.prompts_per_iteration, n=self.cfg.rollout.sampling.n,
+                                   max_rounds=t.dynamic_sampling_max_rounds)
+        timing.update(stats)
+        return groups
+
+    def _scored_round(self, prompts, round_: int, timing: dict):
+        """One generation round: ``prompts``' rollouts and rewards (timed into ``timing``)."""
+        from megatron_alp.dynamic_sampling import Groups
+
+        t0 = time.time()
+        trajectories = self._rollouts(prompts, round_)
+        t1 = time.time()
+        rewards = self._rewards(trajectories, prompts)
+        timing["timing/rollout_s"] = timing.get("timing/rollout_s", 0.0) + t1 - t0
+        timing["timing/reward_s"] = timing.get("timing/reward_s", 0.0) + time.time() - t1
+        timing["rollout/response_tokens"] = timing.get("rollout/response_tokens", 0.0) + float(
+            sum(len(t.response_ids) for t in trajectories))
+        return Groups(prompts, trajectories, rewards)
+
     def validate(self) -> dict:
         """``val/*`` metrics of the current policy on ``data.val_files`` (rank 0; {} elsewhere), with
         the same sample seeds at every evaluation (see :class:`~megatron_alp.evaluate.Validation`)."""
@@ -447,13 +522,23 @@ class RLTrainer:
         out["timing/val_s"] = time.time() - t0
         return out
 
+    def _overlong_penalties(self, trajectories) -> list[float]:
+        from megatron_alp.rewards.overlong import overlong_penalty
+
+        r, limit = self.cfg.reward, self.cfg.rollout.sampling.max_response_length
+        return [overlong_penalty(len(t.response_ids), limit, r.overlong_buffer, r.overlong_penalty)
+                for t in trajectories]
+
     def _rewards(self, trajectories, prompts) -> torch.Tensor:
-        """Rank 0 scores the responses; every rank gets the rewards, as a CPU tensor."""
+        """Rank 0 scores the responses (``reward.overlong_buffer``: plus the overlong punishment);
+        every rank gets the rewards, as a CPU tensor."""
         n = self.cfg.rollout.sampling.n
         rewards = torch.zeros(len(trajectories), dtype=torch.float32, device=comm_device())
         if self.rank == 0:
             truths = [prompts[i // n].ground_truth for i in range(len(trajectories))]
             scores = self.reward_fn([t.response_text for t in trajectories], truths)
+            if self.cfg.reward.overlong_buffer:
+                scores = [s + p for s, p in zip(scores, self._overlong_penalties(trajectories))]
             rewards = torch.tensor(scores, dtype=torch.float32, device=comm_device())
         dist.broadcast(rewards, src=0)
         return rewards.cpu()
@@ -477,40 +562,36 @@ class RLTrainer:
 
     def train_iteration(self) -> dict:
         from megatron_alp.advantages import group_advantages
+        from megatron_alp.dynamic_sampling import zero_variance
         from megatron_alp.metrics import StepMetrics
         from megatron_alp.optim import learning_rates
         from megatron_alp.perturbation import gather_sigma_stats
         from megatron_alp.policy_update import compute_logprobs, train_mini_batch
         from megatron_alp.micro_batch import Batching
-        from megatron_alp.rl_batch import build_rl_batch, mini_batches
+        from megatron_alp.rl_batch import build_rl_batch, exclude_from_loss, mini_batches
 
         cfg, ps = self.cfg, self.ps
         timing = {}
         t_start = time.time()
         _seed_everything(derive_seed(cfg.trainer.seed, self.iteration) % (2**31))
-        if self.max_staleness:
-            prompts, trajectories = self._async_rollouts(timing)
-        else:
-            prompts = self.sampler.next_batch(cfg.trainer.prompts_per_iteration)
-            t0 = time.time()
-            with self._engine_awake(timing):
-                trajectories = self._rollouts(prompts)
-                timing.update(_memory("rollout", device_wide=True))
-            timing["timing/rollout_s"] = time.time() - t0
+
+        with self._engine_awake(timing):
+            groups = self._sample_groups(timing)
+            timing.update(_memory("rollout", device_wide=True))
         timing.update(self.rollout.take_stats())
+        trajectories, rewards, n = groups.trajectories, groups.rewards, cfg.rollout.sampling.n
         staleness = np.array([self.iteration - t.policy_version for t in trajectories], dtype=np.float64)
         timing["staleness/mean"] = float(staleness.mean())
         timing["staleness/max"] = float(staleness.max())
         if cfg.rollout.partial_rollout:
             timing["staleness/multi_version_frac"] = float(np.mean(
                 [len(t.info.get("version_spans", ())) > 1 for t in trajectories]))
-
-        t0 = time.time()
-        rewards = self._rewards(trajectories, prompts)
-        advantages = group_advantages(rewards, cfg.rollout.sampling.n, cfg.advantage.norm_by_std, cfg.advantage.eps)
-        timing["timing/reward_s"] = time.time() - t0
+        advantages = group_advantages(rewards, n, cfg.advantage.norm_by_std, cfg.advantage.eps)
 
         batch = build_rl_batch(trajectories, advantages, self.pad_id)
+        truncated = torch.tensor([t.finish_reason == "length" for t in trajectories])
+        if cfg.loss.mask_truncated:
+            exclude_from_loss(batch, truncated)
         local, sizes, balance_stats = self._dp_shard(batch)
         timing.update(balance_stats)
         temperature = cfg.rollout.sampling.temperature
@@ -562,7 +643,11 @@ class RLTrainer:
         resp = torch.tensor([len(t.response_ids) for t in trajectories], dtype=torch.float32)
         out["response_length/mean"] = resp.mean().item()
         out["response_length/max"] = resp.max().item()
-        out["response/truncated_frac"] = float(np.mean([t.finish_reason == "length" for t in trajectories]))
+        out["response/truncated_frac"] = truncated.float().mean().item()
+        out["response/masked_truncated_frac"] = out["response/truncated_frac"] if cfg.loss.mask_truncated else 0.0
+        out["reward/overlong_penalty_mean"] = float(np.mean(self._overlong_penalties(trajectories)))
+        out["batch/groups"] = float(len(groups))
+        out["batch/zero_variance_groups"] = float(zero_variance(rewards, n).sum())
         if cfg.tir.enabled:
             from megatron_alp.tir.multi_turn import tir_metrics
 
@@ -578,7 +663,8 @@ class RLTrainer:
         out.update({k: v for k, v in (sync_stats or {}).items() if isinstance(v, (int, float))})
         tokens = float(batch.lengths.sum().item())
         out["throughput/tokens_per_s"] = tokens / max(timing["timing/total_s"], 1e-9)
-        out["throughput/rollout_tokens_per_s"] = float(resp.sum()) / max(timing["timing/rollout_s"], 1e-9)
+        out["throughput/rollout_tokens_per_s"] = (timing["rollout/response_tokens"]
+                                                  / max(timing["timing/rollout_s"], 1e-9))
         self._dump_token_probs(local)
         return out
 

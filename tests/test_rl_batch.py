@@ -1,12 +1,16 @@
-"""Packing trajectories into target-aligned tensors and splitting them."""
+"""Packing trajectories into target-aligned tensors, splitting them, and taking responses out of the
+loss (``loss.mask_truncated``) as if they were deleted."""
 
 import random
 
 import pytest
 import torch
 
+from megatron_alp.advantages import group_advantages
 from megatron_alp.balance import imbalance
-from megatron_alp.rl_batch import build_rl_batch, dp_assignment, dp_shard, mini_batches
+from megatron_alp.config import LossConfig
+from megatron_alp.policy_loss import LossInputs, loss_counts, policy_loss
+from megatron_alp.rl_batch import build_rl_batch, dp_assignment, dp_shard, exclude_from_loss, mini_batches
 from megatron_alp.rollout.base import Trajectory
 
 
@@ -68,3 +72,74 @@ def test_balanced_split_evens_out_long_tailed_costs():
     # LPT: the largest load is within the average plus one item of the optimum's bound
     assert max(balanced) <= sum(costs) / 4 + max(costs)
     assert sorted(i for rows in dp_assignment(64, 4, costs=costs)[0] for i in rows) == list(range(64))
+
+
+# ------------------------------------------------------------------ loss.mask_truncated
+
+LOSS_NAMES = ("alp_token", "alp_seq", "grpo", "gspo", "token_mis", "seq_mis", "token_tis", "seq_bypass")
+AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+
+
+def _truncation_batch():
+    """Two groups of four; responses 1, 4 and 6 hit the length limit (the longest: 9 tokens)."""
+    g = torch.Generator().manual_seed(3)
+    lengths = [4, 9, 3, 5, 9, 2, 9, 6]
+    truncated = [False, True, False, False, True, False, True, False]
+    trajs = []
+    for i, (r, cut) in enumerate(zip(lengths, truncated)):
+        mask = [1] * r if i != 3 else [1, 1, 0, 0, 1]  # a tool output in the middle of one response
+        trajs.append(Trajectory([1] * (2 + i % 3), [3 + i] * r, (-torch.rand(r, generator=g) * 2).tolist(), mask, "",
+                                "length" if cut else "stop"))
+    advantages = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0]), 4)
+    return trajs, advantages, torch.tensor(truncated)
+
+
+def _noise(shape, seed=0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(shape, generator=g, dtype=torch.float64) * 0.3 for k in ("lp", "old", "ref", "ent")}
+
+
+def _loss_and_grad(batch, name, aggregation, noise):
+    """The real policy loss of ``batch`` normalised by :func:`loss_counts` (what the trainer's
+    global counts sum over ranks), and its gradient in the logprobs."""
+    rollout = batch.rollout_logprobs.double()
+    lp = (rollout + noise["lp"]).requires_grad_()
+    tokens, seqs = loss_counts(batch.loss_mask)
+    cfg = LossConfig(name=name, aggregation=aggregation, kl_coef=0.05, entropy_coef=0.02)
+    loss, _ = policy_loss(cfg, LossInputs(
+        logprobs=lp, rollout_logprobs=rollout, advantages=batch.advantages.double(), mask=batch.loss_mask,
+        old_logprobs=rollout + noise["old"], ref_logprobs=rollout + noise["ref"], entropy=noise["ent"].abs(),
+        global_tokens=tokens, global_seqs=seqs))
+    loss.backward()
+    return loss.detach(), lp.grad
+
+
+@pytest.mark.parametrize("name", LOSS_NAMES)
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_masked_truncated_responses_leave_the_loss_as_if_deleted(name, aggregation):
+    trajs, advantages, truncated = _truncation_batch()
+    masked = build_rl_batch(trajs, advantages, pad_id=0)
+    exclude_from_loss(masked, truncated)
+    kept = [i for i in range(len(trajs)) if not truncated[i]]
+    deleted = build_rl_batch([trajs[i] for i in kept], advantages[kept], pad_id=0)
+    assert loss_counts(masked.loss_mask) == loss_counts(deleted.loss_mask) == (
+        float(sum(sum(trajs[i].loss_mask) for i in kept)), 5.0)
+
+    noise = _noise(masked.tokens.shape)
+    width = deleted.tokens.shape[1]  # narrower: the longest responses were cut
+    loss_m, grad_m = _loss_and_grad(masked, name, aggregation, noise)
+    loss_d, grad_d = _loss_and_grad(deleted, name, aggregation, {k: v[kept, :width] for k, v in noise.items()})
+    assert torch.isclose(loss_m, loss_d, rtol=1e-12, atol=1e-15), (loss_m, loss_d)
+    assert (grad_m[truncated] == 0).all() and (grad_m[kept, width:] == 0).all()
+    assert torch.allclose(grad_m[kept, :width], grad_d, rtol=1e-12, atol=1e-15)
+
+
+def test_a_mini_batch_of_truncated_responses_only_has_zero_loss_not_nan():
+    trajs, advantages, _ = _truncation_batch()
+    batch = build_rl_batch(trajs, advantages, pad_id=0)
+    exclude_from_loss(batch, torch.ones(len(trajs), dtype=torch.bool))
+    assert loss_counts(batch.loss_mask) == (0.0, 0.0) and batch.rollout_logprobs.abs().sum() == 0
+    for aggregation in AGGREGATIONS:
+        for name in LOSS_NAMES:
+            loss, grad = _loss_and_grad(batch, name, aggregation, _noise(batch.tokens.shape))
+            assert loss.item() == 0.0 and (grad == 0).all(), (name, aggregation)

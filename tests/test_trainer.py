@@ -155,6 +155,51 @@ def kill_tree(proc: subprocess.Popen) -> None:
     psutil.wait_procs(procs[1:], timeout=30)
 
 
+DAPO = ("trainer.iterations=2", "trainer.prompts_per_iteration=8", "trainer.save_interval=2", "trainer.eval_interval=0")
+
+
+@pytest.fixture(scope="module")
+def dynamic_sampling_run(tmp_path_factory) -> Path:
+    """The warm-started quickstart model scores ~0.1, so most groups of 8 are all 0: dynamic
+    sampling needs extra rounds to fill each batch."""
+    run = tmp_path_factory.mktemp("dapo") / "dynamic"
+    rc, out = train(run, *DAPO, "trainer.dynamic_sampling=true", "trainer.dynamic_sampling_max_rounds=8",
+                    "loss.mask_truncated=true")
+    assert rc == 0, out[-6000:]
+    return run
+
+
+def test_dynamic_sampling_trains_full_batches_of_groups_whose_rewards_differ(dynamic_sampling_run):
+    m = metrics(dynamic_sampling_run)
+    assert [r["iteration"] for r in m] == [0, 1]
+    for r in m:
+        assert r["batch/groups"] == 8 and r["batch/zero_variance_groups"] == 0, r
+        assert r["dynamic_sampling/filled_groups"] == 0 and r["dynamic_sampling/generated_groups"] >= 8, r
+        # binary rewards, every group mixed: between 1 and 7 of its 8 responses are right
+        assert 1 / 8 <= r["reward/mean"] <= 7 / 8, r
+        kept = r["dynamic_sampling/kept_frac"] * r["dynamic_sampling/generated_groups"]
+        assert kept == pytest.approx(round(kept)) and 8 <= round(kept), r
+        assert r["response/masked_truncated_frac"] == r["response/truncated_frac"], r
+    assert max(r["dynamic_sampling/rounds"] for r in m) >= 1, m  # the first round alone was not enough
+    assert min(r["dynamic_sampling/kept_frac"] for r in m) < 1
+
+
+def test_overlong_punishment_enters_the_reward(dynamic_sampling_run, tmp_path):
+    """With the buffer as long as the budget every response is punished in proportion to its
+    length, so the mean punishment is known from the mean length."""
+    run = tmp_path / "overlong"
+    shutil.copytree(dynamic_sampling_run / "base_model", run / "base_model")  # no second warm start
+    rc, out = train(run, *DAPO, "trainer.iterations=1", "rollout.sampling.max_response_length=8",
+                    "reward.overlong_buffer=8", "reward.overlong_penalty=10.0", "loss.mask_truncated=true")
+    assert rc == 0, out[-6000:]
+    (r,) = metrics(run)
+    assert r["reward/overlong_penalty_mean"] == pytest.approx(-10.0 * r["response_length/mean"] / 8)
+    task = r["reward/mean"] - r["reward/overlong_penalty_mean"]  # math_verify's 0/1 part
+    assert -1e-5 <= task <= 1 + 1e-5, r
+    assert r["response/masked_truncated_frac"] == r["response/truncated_frac"] > 0, r
+    assert "dynamic_sampling/rounds" not in r
+
+
 def test_bad_inputs_fail_early_with_clear_errors(tmp_path):
     rc, out = train(tmp_path / "r1", "data.train_files=[data/does_not_exist.jsonl]", "trainer.iterations=1")
     assert rc != 0 and "does_not_exist.jsonl" in out
