@@ -474,37 +474,6 @@ class RLTrainer:
             return self._submitted[min(self._submitted)].sampler_state
         return self.sampler.state_dict()
 
-    def _sample_groups(self, timing: dict):
-        """This iteration's scored GRPO groups: ``trainer.prompts_per_iteration`` prompts, or with
-        ``trainer.dynamic_sampling`` as many rounds as it takes to fill the batch with groups whose
-        rewards differ (:func:`~megatron_alp.dynamic_sampling.fill_batch`). Collective: every rank
-        draws the same prompts and gets the same rewards, so all agree on the rounds."""
-        from megatron_alp.dynamic_sampling import fill_batch
-
-        t = self.cfg.trainer
-        first = self._scored_round(self.sampler.next_batch(t.prompts_per_iteration), 0, timing)
-        if not t.dynamic_sampling:
-            return first
-        groups, stats = fill_batch(first, lambda k, r: self._scored_round(self.sampler.next_batch(k), r, timing),
-                                   wanted=t.prompts_per_iteration, n=self.cfg.rollout.sampling.n,
-                                   max_rounds=t.dynamic_sampling_max_rounds)
-        timing.update(stats)
-        return groups
-
-    def _scored_round(self, prompts, round_: int, timing: dict):
-        """One generation round: ``prompts``' rollouts and rewards (timed into ``timing``)."""
-        from megatron_alp.dynamic_sampling import Groups
-
-        t0 = time.time()
-        trajectories = self._rollouts(prompts, round_)
-        t1 = time.time()
-        rewards = self._rewards(trajectories, prompts)
-        timing["timing/rollout_s"] = timing.get("timing/rollout_s", 0.0) + t1 - t0
-        timing["timing/reward_s"] = timing.get("timing/reward_s", 0.0) + time.time() - t1
-        timing["rollout/response_tokens"] = timing.get("rollout/response_tokens", 0.0) + float(
-            sum(len(t.response_ids) for t in trajectories))
-        return Groups(prompts, trajectories, rewards)
-
     def validate(self) -> dict:
         """``val/*`` metrics of the current policy on ``data.val_files`` (rank 0; {} elsewhere), with
         the same sample seeds at every evaluation (see :class:`~megatron_alp.evaluate.Validation`)."""

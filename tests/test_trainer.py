@@ -323,6 +323,26 @@ def test_async_training_on_two_ranks_bounds_staleness_exactly(quickstart_run, tm
     assert all(r["timing/rollout_wait_s"] < r["timing/update_s"] for r in m[1:]), m
 
 
+def test_dynamic_sampling_fills_asynchronous_batches(dynamic_sampling_run, tmp_path):
+    """Dynamic sampling on top of max_staleness=1: the batch generated ahead is filtered like a
+    synchronous one, and its extra rounds are generated with the current weights (staleness 0), so
+    the trained batch is full, every group has signal, and no group is older than 1."""
+    run = tmp_path / "async_dapo"
+    shutil.copytree(dynamic_sampling_run / "base_model", run / "base_model")  # no second warm start
+    rc, out = train(run, *DAPO, "trainer.dynamic_sampling=true", "trainer.dynamic_sampling_max_rounds=8",
+                    *SEPARATE, "trainer.max_staleness=1")
+    assert rc == 0, out[-6000:]
+    m = metrics(run)
+    assert [r["iteration"] for r in m] == [0, 1]
+    for r in m:
+        assert r["batch/groups"] == 8 and r["batch/zero_variance_groups"] == 0, r
+        assert r["dynamic_sampling/filled_groups"] == 0 and r["staleness/max"] == r["iteration"], r
+    # iteration 1 trains on the groups generated ahead (staleness 1) that had signal, topped up by
+    # extra rounds generated now (staleness 0)
+    r = m[1]
+    assert 0 < r["staleness/mean"] <= 1 and (r["staleness/mean"] == 1 or r["dynamic_sampling/rounds"] > 0), r
+
+
 def test_sigkill_mid_async_iteration_resumes(tmp_path):
     """max_staleness=1: a SIGKILL while the next batch is generating loses nothing that was trained
     on. The checkpoint restarts the prompt sampler before the batch that was in flight (drawn again
