@@ -32,7 +32,7 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1, timeout_min: int =
         # A process that exits with a live gloo group can abort in the group's destructor during
         # interpreter shutdown ("terminate called without an active exception", SIGABRT after a
         # successful run): tear the groups down while Python is still whole.
-        atexit.register(destroy_distributed)
+        atexit.register(_destroy_at_exit)
     world = dist.get_world_size()
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     if world % (tp * pp):
@@ -58,6 +58,22 @@ def destroy_distributed() -> None:
         ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _destroy_at_exit() -> None:
+    """:func:`destroy_distributed` at interpreter exit, after the groups of an in-process vLLM
+    engine still alive in this process: its exit finalizer (registered earlier, so run later)
+    would otherwise try to destroy groups already gone and print a traceback."""
+    import sys
+
+    vllm_state = sys.modules.get("vllm.distributed.parallel_state")
+    if vllm_state is not None and getattr(vllm_state, "_WORLD", None) is not None:
+        try:
+            vllm_state.destroy_model_parallel()
+            vllm_state.destroy_distributed_environment()
+        except Exception:  # groups already torn down elsewhere: nothing left to release
+            pass
+    destroy_distributed()
 
 
 def free_port() -> int:
