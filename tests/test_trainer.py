@@ -343,6 +343,20 @@ def test_dynamic_sampling_fills_asynchronous_batches(dynamic_sampling_run, tmp_p
     assert 0 < r["staleness/mean"] <= 1 and (r["staleness/mean"] == 1 or r["dynamic_sampling/rounds"] > 0), r
 
 
+def test_async_multi_turn_episodes_run_on_the_replica_leader(tmp_path):
+    """max_staleness=1 with TIR: each replica leader runs its share's whole episodes (engine turns
+    and its own sandbox) in the background; the batch trained at iteration 1 is one version old."""
+    run = tmp_path / "tir_async"
+    rc, out = train(run, "trainer.iterations=2", "trainer.prompts_per_iteration=8", "trainer.save_interval=2",
+                    "trainer.sft_warmup_steps=100", *SEPARATE, "trainer.max_staleness=1", config=QUICKSTART_TIR)
+    assert rc == 0, out[-6000:]
+    m = metrics(run)
+    assert [r["staleness/max"] for r in m] == [0, 1]
+    for r in m:
+        assert r["tir/executions_mean"] > 0.25 and r["tir/status_frac/ok"] > 0.5, r  # its code ran and printed
+        assert "loss/policy" in r, r
+
+
 def test_sigkill_mid_async_iteration_resumes(tmp_path):
     """max_staleness=1: a SIGKILL while the next batch is generating loses nothing that was trained
     on. The checkpoint restarts the prompt sampler before the batch that was in flight (drawn again
