@@ -362,8 +362,9 @@ class RolloutConfig(_Section):
         description="Where the engine replicas run. `colocated`: on the trainer's own GPUs (they sleep while "
         "Megatron trains) or CPU cores, generation and training taking turns. `separate`: on devices of their "
         "own (`gpus` on GPU nodes, `cpu_cores` on the CPU), so they can generate while the trainer trains "
-        "(`trainer.max_staleness` >= 1); the engine runs in its own process and weights reach it by "
-        "`sync_method: broadcast` unless another method is set.",
+        "(`trainer.max_staleness` >= 1); the engine runs in its own process, never sleeps (raise "
+        "`gpu_memory_utilization`: the GPUs are its own) and weights reach it by `sync_method: broadcast` "
+        "unless another method is set.",
     )
     gpus: list[int] = Field(
         default_factory=list,

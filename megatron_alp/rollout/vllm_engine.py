@@ -273,7 +273,7 @@ class VLLMEngine(RolloutEngine):
         )
         if gpu:
             kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization,
-                          enable_sleep_mode=cfg.free_memory_during_training)
+                          enable_sleep_mode=cfg.free_memory_during_training and cfg.placement == "colocated")
         else:
             # A prompt prefilled in chunks has the token drawn at each partial step thrown away and
             # its seeded generator rewound, which vLLM's CPU generators cannot do ("CPU Generator
