@@ -51,12 +51,36 @@ class MicroBatch:
     def computed_tokens(self) -> int:
         return self.tokens.numel()
 
-    def unpack(self, values: torch.Tensor) -> torch.Tensor:
-        """Per-token model outputs ``[r, T]`` -> the padded view ``[n, L]`` (0 past each sequence)."""
+    def _inside(self, device) -> torch.Tensor:
+        """``[n, L]``: True on each sequence's own positions of the padded view."""
         width = self.batch.tokens.shape[1]
-        inside = torch.arange(width, device=values.device) < self.batch.lengths.to(values.device).unsqueeze(1)
-        picked = values.reshape(-1)[self.index.to(values.device)] if self.packed else values[:, :width]
-        return torch.where(inside, picked, values.new_zeros(()))
+        return torch.arange(width, device=device) < self.batch.lengths.to(device).unsqueeze(1)
+
+    def unpack(self, values: torch.Tensor, fill=0) -> torch.Tensor:
+        """Per-token model outputs ``[r, T, ...]`` -> the padded view ``[n, L, ...]`` (``fill`` past
+        each sequence)."""
+        width = self.batch.tokens.shape[1]
+        inside = self._inside(values.device)
+        if self.packed:
+            picked = values.reshape(-1, *values.shape[2:])[self.index.to(values.device)]
+        else:
+            picked = values[:, :width]
+        inside = inside.reshape(*inside.shape, *([1] * (picked.dim() - 2)))
+        return torch.where(inside, picked, values.new_full((), fill))
+
+    def layout(self, values: torch.Tensor, fill=0) -> torch.Tensor:
+        """The inverse of :meth:`unpack`: per-sequence values in the padded view ``[n, L, ...]`` ->
+        this micro-batch's rows ``[r, T, ...]``, ``fill`` on pad positions."""
+        rows, width = self.tokens.shape
+        out = values.new_full((rows * width if self.packed else rows, *([] if self.packed else [width]),
+                               *values.shape[2:]), fill)
+        inside = self._inside(values.device)
+        if self.packed:
+            out[self.index.to(values.device)[inside]] = values[inside]
+            return out.reshape(rows, width, *values.shape[2:])
+        out[:, : values.shape[1]] = torch.where(
+            inside.reshape(*inside.shape, *([1] * (values.dim() - 2))), values, values.new_full((), fill))
+        return out
 
     def attention_mask(self) -> Optional[torch.Tensor]:
         """Block-diagonal causal mask ``[r, 1, T, T]`` (True = masked, Megatron's convention) for

@@ -2,7 +2,9 @@
 
 Both go through Megatron-Core's pipeline schedules, so TP/PP/SP/EP, recomputation and gradient
 reduction are Megatron's own. Logprob passes (old policy, reference policy) run outside
-``perturbed_step`` and are never perturbed; the update pass runs inside it.
+``perturbed_step`` and are never perturbed; the update pass runs inside it. On an MoE model each
+pass takes a :class:`~megatron_alp.routing_replay.PassRouting` (which experts it replays, what it
+records; :mod:`megatron_alp.routing_replay`).
 
 Loss scaling: each micro-batch's policy loss comes back from :func:`policy_loss` already divided
 by the mini-batch's global token/sequence counts (over all micro-batches and data-parallel
@@ -13,6 +15,7 @@ mini-batch loss in the configured aggregation mode.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -32,6 +35,7 @@ from megatron_alp.perturbation import next_microbatch, perturbed_step
 from megatron_alp.policy_loss import LossInputs, policy_loss
 from megatron_alp.rl_batch import RLBatch, build_rl_batch
 from megatron_alp.rollout.base import Trajectory
+from megatron_alp.routing_replay import PassRouting, routing_pass
 from megatron_alp.rollout.weight_sync import mismatch_stats
 
 
@@ -96,18 +100,25 @@ def _run(model, micro: list[MicroBatch], step_fn, forward_only: bool):
 
 @torch.no_grad()
 def compute_logprobs(
-    model, batch: RLBatch, *, batching: Batching, temperature: float, pad_id: int, fused: bool = True
+    model, batch: RLBatch, *, batching: Batching, temperature: float, pad_id: int, fused: bool = True,
+    routing: Optional[PassRouting] = None, perturb_step: Optional[int] = None,
 ) -> Optional[torch.Tensor]:
     """Unperturbed logprobs of ``batch.targets`` [N, L] (same order and width as ``batch``) on the
     last pipeline stage; None on the other stages. ``fused``: from hidden states and the output
-    weight (:func:`~megatron_alp.logprobs.linear_token_logprobs`), never materialising the logits."""
+    weight (:func:`~megatron_alp.logprobs.linear_token_logprobs`), never materialising the logits.
+    ``routing`` (MoE): the experts the pass replays and what it records (into ``batch``).
+    ``perturb_step``: instead, the ALP-perturbed logprobs with the noise of that optimizer step's
+    update (forward only; diagnostics and benchmarks)."""
     model.eval()
     device = next(model.parameters()).device
     thd = _takes_thd(model)
     micro = _cut(model, batch, batching, pad_id, thd)
+    perturbed = perturbed_step(model, perturb_step) if perturb_step is not None else contextlib.nullcontext()
 
     def step_fn(data_iter, m):
         mb = next(data_iter).to(device)
+        begin_routing(mb)
+        next_microbatch(m)
         output = _forward(m, mb, thd)
 
         def collect(out):
@@ -116,7 +127,8 @@ def compute_logprobs(
 
         return output, collect
 
-    with emitting_hidden(model, fused) as emits:
+    with perturbed, routing_pass(model, batch, routing, training=False) as begin_routing, \
+            emitting_hidden(model, fused) as emits:
         outs = _run(model, micro, step_fn, forward_only=True)
     model.train()
     if not ps.is_pipeline_last_stage():
@@ -169,9 +181,11 @@ def train_mini_batch(
     pad_id: int,
     metrics: StepMetrics,
     fused: bool = True,
+    routing: Optional[PassRouting] = None,
 ) -> dict:
     """One optimizer step on a mini-batch with the perturbed policy forward; returns step stats
-    (``computed_tokens`` counts pad tokens too, ``tokens`` only the sequences')."""
+    (``computed_tokens`` counts pad tokens too, ``tokens`` only the sequences'). ``routing`` (MoE):
+    the experts the pass replays (:mod:`megatron_alp.routing_replay`)."""
     model.train()
     device = next(model.parameters()).device
     thd = _takes_thd(model)
@@ -181,6 +195,7 @@ def train_mini_batch(
 
     def step_fn(data_iter, m):
         mb = next(data_iter).to(device)
+        begin_routing(mb)
         next_microbatch(m)
         output = _forward(m, mb, thd)
 
@@ -207,7 +222,8 @@ def train_mini_batch(
     for chunk in model_chunks(model):
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    with perturbed_step(model, step), emitting_hidden(model, fused) as emits:
+    with perturbed_step(model, step), routing_pass(model, batch, routing, training=True) as begin_routing, \
+            emitting_hidden(model, fused) as emits:
         _run(model, micro, step_fn, forward_only=False)
     ok, grad_norm, _ = optimizer.step()
     return {

@@ -6,6 +6,7 @@ import abc
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Iterable, Optional
 
+import numpy as np
 import torch
 
 from megatron_alp.config import RolloutConfig
@@ -39,12 +40,17 @@ class Completion:
     finish_reason: str  # "stop" (EOS or stop string), "length" (max_tokens) or "abort"
     text: str = ""
     stop_reason: Optional[str | int] = None  # the stop string or token that ended it, if any
+    # MoE with rollout.return_routed_experts: the experts of every token the engine fed through the
+    # model, [prompt + response - 1, layers, k] (the last sampled token is never fed back), uint8 for
+    # up to 256 experts, else uint16 (vLLM's convention)
+    routed_experts: Optional[np.ndarray] = None
 
     def __post_init__(self):
         if len(self.logprobs) != len(self.response_ids):
             raise ValueError(
                 f"engine returned {len(self.logprobs)} logprobs for {len(self.response_ids)} tokens"
             )
+        check_routing(self.routed_experts, len(self.prompt_ids) + len(self.response_ids))
 
 
 @dataclass
@@ -54,7 +60,9 @@ class Trajectory:
     ``response_ids`` holds every token after the prompt (model tokens and, in multi-turn
     episodes, tool outputs); ``loss_mask`` is 1 on the tokens the policy is trained on and 0 on
     tool outputs and void turns; ``rollout_logprobs`` is aligned with ``response_ids`` (0.0 where
-    the mask is 0)."""
+    the mask is 0). ``routed_experts`` (MoE, when the engine returns routing) holds the experts the
+    engine sent token ``t`` of prompt + response to at each layer, ``[tokens, layers, k]``, for the
+    tokens it fed through the model (all but the last, or fewer)."""
 
     prompt_ids: list[int]
     response_ids: list[int]
@@ -64,6 +72,7 @@ class Trajectory:
     finish_reason: str
     num_turns: int = 1
     info: dict = field(default_factory=dict)
+    routed_experts: Optional[np.ndarray] = None
 
     def __post_init__(self):
         n = len(self.response_ids)
@@ -72,6 +81,7 @@ class Trajectory:
                 f"trajectory misaligned: {n} response tokens, {len(self.rollout_logprobs)} logprobs, "
                 f"{len(self.loss_mask)} mask entries"
             )
+        check_routing(self.routed_experts, len(self.prompt_ids) + n)
 
     @classmethod
     def from_completion(cls, c: "Completion") -> "Trajectory":
@@ -82,7 +92,19 @@ class Trajectory:
             loss_mask=[1] * len(c.response_ids),
             response_text=c.text,
             finish_reason=c.finish_reason,
+            routed_experts=c.routed_experts,
         )
+
+
+def check_routing(routed: Optional[np.ndarray], tokens: int) -> None:
+    """Engine routing must be ``[t, layers, k]`` integers for at most the sequence's ``tokens``."""
+    if routed is None:
+        return
+    if routed.ndim != 3 or routed.dtype.kind not in "iu":
+        raise ValueError(f"routed experts: expected an integer array [tokens, layers, k], got "
+                         f"{routed.dtype} {tuple(routed.shape)}")
+    if len(routed) > tokens:
+        raise ValueError(f"routed experts cover {len(routed)} tokens of a {tokens}-token sequence")
 
 
 class RolloutError(RuntimeError):
