@@ -214,3 +214,52 @@ def test_which_pass_replays_what(replay, loss, moe_routing, expected):
     plan = RoutingPlan.for_config(_cfg(moe={"routing_replay": replay}, loss={"name": loss}, perturbation=pert))
     assert (plan.old.replay, plan.ref.replay, plan.update.replay, plan.needs_old_pass) == expected
     assert plan.old.record and plan.update.flips and plan.update.load
+
+
+# ------------------------------------------------------------------------------------ GPU: R3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU: vLLM returns routed experts only "
+                                                          "from its Model Runner V2 (Triton, CUDA)")
+def test_r3_end_to_end_with_vllm(tmp_path):
+    """vLLM samples a tiny Qwen3-MoE and returns the experts of every token it fed through the model;
+    they travel with the trajectories into the trainer's passes. The trainer's own router agrees
+    with the engine on almost every (token, layer) pair (same weights, both fp32), and
+    replaying the engine's routing brings the trainer's logprobs no further from the engine's than
+    its own routing does."""
+    from megatron_alp.config import RolloutConfig, SamplingConfig
+    from megatron_alp.models.hf_weights import load_hf_weights
+    from megatron_alp.models.tiny import make_tiny_model
+    from megatron_alp.rl_batch import build_rl_batch
+    from megatron_alp.rollout import SamplingParams, build_engine
+    from megatron_alp.rollout.base import Trajectory
+
+    init_distributed(ParallelConfig(), seed=3)  # first, as the trainer: an in-process engine adopts the group
+    hf = dict(num_experts=8, num_experts_per_tok=2)
+    model_dir = make_tiny_model("qwen3_moe", tmp_path / "moe", seed=3, **hf)
+    cfg = RolloutConfig(dtype="float32", max_model_len=256, return_routed_experts=True, gpu_memory_utilization=0.3,
+                        sampling=SamplingConfig(max_prompt_length=64, max_response_length=64))
+    engine = build_engine(cfg, str(model_dir), seed=0)
+    try:
+        prompts = [[1, 5, 6, 7, 8, 9], [1, 20, 21], [1, 300, 301, 302, 303, 304, 305, 306]]
+        groups = engine.generate(prompts, SamplingParams(n=2, max_tokens=24))
+    finally:
+        engine.shutdown()
+    trajs = [Trajectory.from_completion(c) for g in groups for c in g]
+    for t in trajs:
+        fed = len(t.prompt_ids) + len(t.response_ids) - 1
+        assert t.routed_experts.shape == (fed, 4, 2) and t.routed_experts.dtype.name == "uint8"
+        assert (t.routed_experts < 8).all() and (t.routed_experts[..., 0] != t.routed_experts[..., 1]).all()
+    model = build_gpt_model(hf_to_megatron(tiny_hf_config("qwen3_moe", **hf)),
+                            ModelConfig(hf_path=str(model_dir), dtype="float32", layer_spec="local"), ParallelConfig())
+    load_hf_weights(model, model_dir)
+    batch = build_rl_batch(trajs, torch.zeros(len(trajs)), pad_id=0)
+    keep = batch.loss_mask > 0
+    kw = dict(batching=Batching(size=2), temperature=1.0, pad_id=0)
+    own = compute_logprobs(model, batch, routing=PassRouting(record=True, agreement=True), **kw)
+    agreement = routing_metrics(model)["moe/rollout_agreement"]
+    replayed = compute_logprobs(model, batch, routing=PassRouting(replay="rollout_routing"), **kw)
+    assert agreement > 0.9, agreement
+    engine_lp = batch.rollout_logprobs[keep]
+    assert (replayed[keep] - engine_lp).abs().mean() <= (own[keep] - engine_lp).abs().mean() + 1e-6

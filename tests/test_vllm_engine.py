@@ -239,6 +239,17 @@ def test_unsupported_quantization_setups_are_refused_with_the_fix(model_dirs, tm
         rollout_cfg(engine="vlm")  # refused when the config is validated, before any engine starts
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU vLLM returns routed experts (tests/test_routing_replay.py)")
+def test_engine_routing_on_the_cpu_is_refused_naming_the_key(model_dirs):
+    """vLLM returns routed experts (R3) only from its Model Runner V2, which needs Triton and a GPU:
+    on the CPU the engine refuses before starting, naming moe.routing_replay and the alternatives."""
+    from megatron_alp.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"moe.routing_replay=r3 \(rollout.return_routed_experts\).*Model Runner "
+                                          r"V2.*use moe.routing_replay r2"):
+        VLLMEngine(rollout_cfg(return_routed_experts=True), str(model_dirs["qwen2"]))
+
+
 def sync_new_weights(engine, model_dir, path: str):
     """Sync perturbed weights into ``engine`` by ``path``; its logprobs must then be theirs."""
     state = perturbed_state(model_dir, seed=3)
