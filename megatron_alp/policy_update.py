@@ -46,9 +46,19 @@ def _pad_multiple(model_config) -> int:
 def _cut(model, batch: RLBatch, batching: Batching, pad_id: int, thd: bool) -> list[MicroBatch]:
     """Micro-batches for ``model``'s layout: rows padded to the TP size under sequence parallelism;
     packed into one THD row for Transformer Engine (of one length under pipeline parallelism: one
-    p2p shape per pass), into masked rows for Megatron's local attention."""
-    return micro_batches(batch, batching, pad_id=pad_id, pad_multiple=_pad_multiple(model.config), one_row=thd,
-                         equal_length=ps.get_pipeline_model_parallel_world_size() > 1)
+    p2p shape per pass), into masked rows for Megatron's local attention. Under expert parallelism
+    every data-parallel rank runs as many micro-batches as the one with the most (each MoE layer's
+    all-to-all needs the whole expert-parallel group)."""
+    kw = dict(pad_id=pad_id, pad_multiple=_pad_multiple(model.config), one_row=thd,
+              equal_length=ps.get_pipeline_model_parallel_world_size() > 1)
+    micro = micro_batches(batch, batching, **kw)
+    if getattr(model.config, "num_moe_experts", None) and ps.get_expert_model_parallel_world_size() > 1:
+        group = ps.get_data_parallel_group()
+        count = torch.tensor([len(micro)], dtype=torch.int64, device=comm_device(group))
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=group)
+        if int(count.item()) > len(micro):
+            micro = micro_batches(batch, batching, min_count=int(count.item()), **kw)
+    return micro
 
 
 def _takes_thd(model) -> bool:
@@ -135,6 +145,8 @@ def compute_logprobs(
         return None
     result = torch.zeros(batch.tokens.shape, dtype=torch.float32)
     for mb, out in zip(micro, outs):
+        if mb.filler:
+            continue
         lp = out["logprobs"]
         result[mb.rows, : lp.shape[1]] = lp
     return result

@@ -116,6 +116,7 @@ class _Pass:
         b, r = mb.batch, self.routing
         positions = torch.arange(b.tokens.shape[1], device=b.tokens.device)
         counted = positions < (b.lengths.to(positions.device) - 1).unsqueeze(1)  # every position but the last
+        counted &= not mb.filler  # a repeat that keeps collectives in step is not counted again
         tokens = to_router(mb.layout(counted, fill=False), self.control.sequence_parallel)
         routing = MicroBatchRouting(tokens=tokens, load=r.load)
         if r.replay is not None:
@@ -126,7 +127,7 @@ class _Pass:
             routing.own_refs["noise"] = self._router(mb, b.old_routing)
             routing.used_refs["update"] = self._router(mb, self._old_used(b))
         self.control.begin_microbatch(routing)
-        if r.record:
+        if r.record and not mb.filler:
             self.records.append((mb, routing))
 
     def _old_used(self, b: RLBatch) -> torch.Tensor:

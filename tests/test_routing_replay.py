@@ -49,6 +49,12 @@ def test_r2_update_logprobs_equal_old_logprobs_bit_for_bit(replay, layout):
     assert 0.5 < m["moe/aux_loss"] < 4.0, m  # 1 at perfect balance, at most E/k = 4
     stage_layers = [0, 1] if layout == "pp2" else [0, 1, 2, 3]
     assert r["recorded_layers"] == stage_layers  # rank 0 records the layers of its pipeline stage
+    rows_and_micro = [tuple(x) for x in r["rows_and_micro_batches"]]
+    # (rows, micro-batches that reached the loss) per rank. EP=2 x DP=2 with one sequence on rank 0
+    # and seven on rank 1: rank 0 runs three fillers so that both run every all-to-all. Without data
+    # parallelism both ranks hold the eight rows; under PP=2 only the last stage computes the loss.
+    expected = {"ep2": [(1, 4), (7, 4)], "tp2": [(8, 4), (8, 4)], "pp2": [(8, 0), (8, 4)]}[layout]
+    assert rows_and_micro == expected
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -69,8 +75,8 @@ def test_replay_survives_recomputation(replay, layout, mode):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_engine_routing_reaches_the_replay_through_packing_and_sharding(replay, layout):
-    """R3's data path with routing given by the test: from trajectories through build_rl_batch, a
-    cost-balanced data-parallel split and packed micro-batches to every router; each sequence's
+    """R3's data path with routing given by the test: from trajectories through build_rl_batch, an
+    uneven data-parallel split and packed micro-batches to every router; each sequence's
     logprobs equal those of the sequence replayed alone. The given routing matters (replaying it
     moves logprobs by > 1e-2 against the model's own routing) and the agreement metric tells a
     routing equal to the router's own (1.0) from a random one (chance: 1 / C(8, 2))."""

@@ -7,10 +7,12 @@ Per layout:
 - recompute: one update with R2 under ``fixed`` and under ``follow`` (sigma 0.05), with and without
   full activation recomputation: the same update (PP=2 recomputes micro-batch 0 after micro-batch
   1's forward, 1F1B).
-- r3_packing: engine routing given by the test travels from trajectories through the batch, the
-  cost-balanced data-parallel split and packed micro-batches into the replay: the logprobs equal
-  those of each sequence replayed alone; the router's own choice agrees with a given routing equal
-  to it and not with a random one.
+- r3_packing: engine routing given by the test travels from trajectories through the batch, an
+  uneven data-parallel split and packed micro-batches into the replay: the logprobs equal those of
+  each sequence replayed alone; the router's own choice agrees with a given routing equal to it and
+  not with a random one.
+Under EP=2 the uneven split (one sequence on rank 0, seven on rank 1) makes rank 0 run fillers, so
+both ranks run every MoE all-to-all.
 On EP=2 only: the flip table, sigma vs the fraction of (token, layer) whose experts the noise flips
 under ``follow`` and ``fixed``.
 
@@ -137,10 +139,13 @@ def _counting_route(self, tap, scores, probs, own):
 RoutingControl.route = _counting_route
 
 
-def local_batch(routing=None, costs=True):
+UNEVEN = [100.0] + [1.0] * (ROWS - 1)  # data-parallel rank 0 gets one sequence, rank 1 the other seven
+
+
+def local_batch(routing=None, costs=None):
+    """This rank's rows: an equal contiguous split without ``costs``, else split by ``costs``."""
     batch = build_rl_batch(trajectories(routing), advantages(), pad_id=0)
-    cost = [float(n) for n in LENGTHS] if costs else None
-    assignment = dp_assignment(ROWS, ps.get_data_parallel_world_size(), 1, cost)
+    assignment = dp_assignment(ROWS, ps.get_data_parallel_world_size(), 1, costs)
     local, _ = dp_shard(batch, assignment, ps.get_data_parallel_rank())
     return local, assignment[0][ps.get_data_parallel_rank()]
 
@@ -156,8 +161,8 @@ def r2_exact(par, init) -> dict:
     load_full_state(model, init)
     model = wrap_for_training(model, par)
     opt, _ = build_optimizer(model, OptimizerConfig(lr=0.0, min_lr=0.0), pert, par, total_steps=1)
-    # one row per micro-batch-sized share: equal micro-batch counts on every expert-parallel rank
-    local, _ = local_batch(costs=False)
+    # uneven shares: under expert parallelism the rank with one sequence runs fillers to keep in step
+    local, _ = local_batch(costs=UNEVEN)
     batching = Batching(size=2)
     local.old_logprobs = compute_logprobs(model, local, batching=batching, temperature=1.0, pad_id=0, routing=OLD)
     if local.old_logprobs is None:
@@ -173,7 +178,10 @@ def r2_exact(par, init) -> dict:
         train_mini_batch(model, opt, local, loss_cfg=LOSS, step=1, batching=batching, temperature=1.0, pad_id=0,
                          metrics=StepMetrics(), routing=R2_FIXED)
     routing_metrics(model)
+    counts = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, (len(local), len(replayed.pairs)))
     return {"bitwise_equal": everywhere(replayed.bitwise_equal()), "max_diff": replayed.max_diff(),
+            "rows_and_micro_batches": counts,
             "shifted_max_diff": shifted.max_diff(), "metrics": metrics,
             "recorded_layers": sorted({int(x) for x in (true_routing < EXPERTS).any(-1).any(0).any(0).nonzero()
                                        .flatten().tolist()})}
@@ -189,7 +197,7 @@ def recompute(par, init) -> dict:
             model = wrap_for_training(model, par)
             opt, _ = build_optimizer(model, OptimizerConfig(lr=1e-2, min_lr=1e-2, weight_decay=0.0), pert, par,
                                      total_steps=1)
-            local, rows = local_batch(costs=False)
+            local, rows = local_batch()
             batching = Batching(size=1)  # 4 micro-batches per rank: PP=2 runs 1F1B with a warm-up forward
             local.old_logprobs = compute_logprobs(model, local, batching=batching, temperature=1.0, pad_id=0,
                                                   routing=OLD)
@@ -219,7 +227,7 @@ def r3_packing(par, init) -> dict:
     r3 = PassRouting(replay="rollout_routing", record=True, agreement=True)
     given = random_routing(seed=5)
     # reference: every sequence alone in its micro-batch, rows split equally
-    alone, alone_rows = local_batch(given, costs=False)
+    alone, alone_rows = local_batch(given)
     ref = compute_logprobs(model, alone, batching=Batching(size=1), temperature=1.0, pad_id=0, routing=r3)
     ref_rows = rows_of(alone_rows, ref)
     random_agreement = routing_metrics(model).get("moe/rollout_agreement")
@@ -233,15 +241,14 @@ def r3_packing(par, init) -> dict:
     for part in own_parts:  # pipeline stages each hold their own layers (the rest: the no-expert marker)
         for r, v in part.items():
             own_by_row[r] = np.minimum(own_by_row[r], v) if r in own_by_row else v
-    # packed rows of a cost-balanced split; expert parallel needs one micro-batch count on every rank
-    budget = sum(LENGTHS) if ps.get_expert_model_parallel_world_size() > 1 else 30
-    packed, packed_rows = local_batch(given, costs=True)
-    batching = Batching(max_tokens=budget, pack=True)
+    # packed rows of an uneven split (expert parallelism: fillers keep the ranks' micro-batch counts equal)
+    packed, packed_rows = local_batch(given, costs=UNEVEN)
+    batching = Batching(max_tokens=30, pack=True)
     got = compute_logprobs(model, packed, batching=batching, temperature=1.0, pad_id=0, routing=r3)
     got_rows = rows_of(packed_rows, got)
     routing_metrics(model)
     # the trainer's own routing given as the engine's: the router agrees with it
-    mine, mine_rows = local_batch([own_by_row[r] for r in range(ROWS)], costs=True)
+    mine, mine_rows = local_batch([own_by_row[r] for r in range(ROWS)], costs=[float(n) for n in LENGTHS])
     compute_logprobs(model, mine, batching=batching, temperature=1.0, pad_id=0, routing=r3)
     own_agreement = routing_metrics(model).get("moe/rollout_agreement")
 
@@ -257,7 +264,7 @@ def flip_table(par, init) -> list[dict]:
     load_full_state(model, init)
     model = wrap_for_training(model, par)
     opt, _ = build_optimizer(model, OptimizerConfig(lr=0.0, min_lr=0.0), pert, par, total_steps=1)
-    local, _ = local_batch(costs=False)
+    local, _ = local_batch()
     batching = Batching(size=2)
     local.old_logprobs = compute_logprobs(model, local, batching=batching, temperature=1.0, pad_id=0, routing=OLD)
     local.rollout_logprobs = local.old_logprobs * local.loss_mask
