@@ -73,15 +73,15 @@ def test_routed_experts_are_asked_for_and_decoded():
     assert "--enable-return-routed-experts" not in server_command(sglang_cfg(), "/m", "/m", 256, 0)
     ids = np.arange(5 * 3 * 2, dtype=np.int32).reshape(5, 3, 2) % 8
     meta = {"routed_experts": base64.b64encode(ids.tobytes()).decode()}
-    got = decode_routed_experts(meta, fed=5, layers=3, topk=2, num_experts=8)
+    got = decode_routed_experts(meta, fed=5, layers=3, topk=2, experts=8)
     assert got.dtype == np.uint8 and got.shape == (5, 3, 2) and (got == ids).all()
-    assert decode_routed_experts(meta, 5, 3, 2, num_experts=300).dtype == np.uint16
+    assert decode_routed_experts(meta, 5, 3, 2, experts=300).dtype == np.uint16
     with pytest.raises(RolloutError, match="30 routed expert ids; expected 6 tokens x 3 layers x 2 experts"):
-        decode_routed_experts(meta, fed=6, layers=3, topk=2, num_experts=8)
+        decode_routed_experts(meta, fed=6, layers=3, topk=2, experts=8)
     with pytest.raises(RolloutError, match=r"expert ids in \[0, 7\] for a model of 4 experts"):
-        decode_routed_experts(meta, fed=5, layers=3, topk=2, num_experts=4)
+        decode_routed_experts(meta, fed=5, layers=3, topk=2, experts=4)
     with pytest.raises(RolloutError, match="--enable-return-routed-experts"):
-        decode_routed_experts({}, fed=5, layers=3, topk=2, num_experts=8)
+        decode_routed_experts({}, fed=5, layers=3, topk=2, experts=8)
 
 
 def test_the_server_runs_under_the_configured_interpreter(monkeypatch, tmp_path):

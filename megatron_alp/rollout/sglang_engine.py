@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from megatron_alp.config import RolloutConfig
-from megatron_alp.models.families import load_hf_config
+from megatron_alp.models.families import load_hf_config, num_experts
 from megatron_alp.platform import has_gpu
 from megatron_alp.rollout.base import (
     Completion,
@@ -122,7 +122,7 @@ def server_command(cfg: RolloutConfig, model_path: str, tokenizer_path: str, max
     return cmd + sglang_quantization_args(cfg) + list(cfg.sglang_args)
 
 
-def decode_routed_experts(meta: dict, fed: int, layers: int, topk: int, num_experts: int) -> np.ndarray:
+def decode_routed_experts(meta: dict, fed: int, layers: int, topk: int, experts: int) -> np.ndarray:
     """``meta_info["routed_experts"]`` of an SGLang answer -> ``[fed, layers, topk]`` expert ids in
     vLLM's compact convention (uint8 up to 256 experts, else uint16). ``fed``: the tokens the server
     fed through the model (prompt + response - 1)."""
@@ -134,10 +134,10 @@ def decode_routed_experts(meta: dict, fed: int, layers: int, topk: int, num_expe
     if ids.size != fed * layers * topk:
         raise RolloutError(f"SGLang returned {ids.size} routed expert ids; expected {fed} tokens x {layers} layers "
                            f"x {topk} experts (moe.routing_replay=r3)")
-    if ids.size and not (0 <= ids.min() and ids.max() < num_experts):
-        raise RolloutError(f"SGLang returned expert ids in [{ids.min()}, {ids.max()}] for a model of {num_experts} "
+    if ids.size and not (0 <= ids.min() and ids.max() < experts):
+        raise RolloutError(f"SGLang returned expert ids in [{ids.min()}, {ids.max()}] for a model of {experts} "
                            "experts (moe.routing_replay=r3)")
-    return ids.reshape(fed, layers, topk).astype(np.uint8 if num_experts <= 256 else np.uint16)
+    return ids.reshape(fed, layers, topk).astype(np.uint8 if experts <= 256 else np.uint16)
 
 
 @register_engine("sglang")
@@ -168,7 +168,7 @@ class SGLangEngine(RolloutEngine):
         self.vocab_size = int(hf["vocab_size"])
         # MoE routing shape, for rollout.return_routed_experts
         self._routing_shape = (int(hf.get("num_hidden_layers", 0)), int(hf.get("num_experts_per_tok", 0)),
-                               int(hf.get("num_experts", 0)))
+                               num_experts(hf))
         self._max_len = resolve_max_model_len(cfg, hf)
         self._sync_root = default_sync_root(cfg.sync_dir)
         self._log_path = self._sync_root / "sglang_server.log"

@@ -51,7 +51,7 @@ from typing import Iterable, Optional
 import torch
 
 from megatron_alp.config import ConfigError, RolloutConfig
-from megatron_alp.models.families import load_hf_config
+from megatron_alp.models.families import load_hf_config, num_experts
 from megatron_alp.platform import has_gpu
 from megatron_alp.rollout.base import (
     Completion,
@@ -165,7 +165,7 @@ class VLLMEngine(RolloutEngine):
         self.vocab_size = int(hf["vocab_size"])
         self.tied_embeddings = bool(hf.get("tie_word_embeddings", False))
         self._max_len = resolve_max_model_len(cfg, hf)
-        self._quant = vllm_quantization_args(cfg, has_gpu())
+        self._quant = vllm_quantization_args(cfg, has_gpu(), moe=num_experts(hf) > 0)
         if not has_gpu() and cfg.tensor_parallel_size > 1:
             raise ValueError("rollout.tensor_parallel_size > 1 needs GPUs; on the CPU use 1")
         self.return_routing = bool(cfg.return_routed_experts)
