@@ -157,9 +157,9 @@ class _Pass:
 
 @contextlib.contextmanager
 def routing_pass(model, batch: RLBatch, routing: Optional[PassRouting], *, training: bool) -> Iterator:
-    """The routing of one pass of ``model`` over ``batch``: yields a function to call with each
-    micro-batch before its forward (None for a dense model or without ``routing``: the routers
-    then choose as Megatron does)."""
+    """The routing of one pass of ``model`` over ``batch``: yields the function to call with each
+    micro-batch before its forward (a no-op for a dense model or without ``routing``: the routers
+    then choose as Megatron does). A recording pass sets ``batch.old_routing`` when it ends."""
     control = routing_of(model)
     if control is None or routing is None:
         yield lambda mb: None

@@ -196,10 +196,9 @@ class RLTrainer:
         from megatron_alp.models.hf_weights import load_hf_weights
         from megatron_alp.optim import build_optimizer, wrap_for_training
         from megatron_alp.policy_loss import needs_old_logprobs, needs_ref_logprobs
-
-        cfg = self.cfg
         from megatron_alp.routing_replay import RoutingPlan
 
+        cfg = self.cfg
         policy = build_gpt_model(self.args, cfg.model, cfg.parallel, cfg.perturbation, moe=cfg.moe)
         self.routing = RoutingPlan.for_config(cfg)
         if cfg.model.load is None:
