@@ -64,12 +64,6 @@ class ModelConfig(_Section):
     recompute_num_layers: int = Field(
         1, ge=1, description="Layers per recomputed chunk when `recompute: full` (uniform method)."
     )
-    moe_aux_loss_coeff: float = Field(
-        0.0, ge=0.0, description="MoE router load-balancing loss coefficient (MoE models only)."
-    )
-    moe_grouped_gemm: bool = Field(
-        False, description="Use grouped GEMM experts (GPU with Transformer Engine)."
-    )
     tiny_config: dict[str, Any] = Field(
         default_factory=dict,
         description="With `tiny`: Hugging Face config keys overriding the tiny defaults "
@@ -104,6 +98,40 @@ class ParallelConfig(_Section):
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("`sequence_parallel: true` needs `tensor_model_parallel_size` > 1")
         return self
+
+
+# ------------------------------------------------------------------------------------- moe
+
+
+class MoEConfig(_Section):
+    """Mixture-of-experts models (Qwen3-MoE): routing replay, the load-balancing loss, expert kernels.
+
+    The router is the largest single source of training-inference mismatch in MoE RL: where the
+    engine and Megatron send a token to different experts, its probability jumps. Routing replay
+    makes the training passes use given expert choices (see megatron_alp/routing_replay.py);
+    every iteration of an MoE run logs `moe/*` routing agreement, flips, expert load and the
+    load-balancing loss."""
+
+    routing_replay: Literal["none", "r2", "r3"] = Field(
+        "none",
+        description="`none`: every pass routes on its own. `r2`: the old-policy (unperturbed) pass records "
+        "the experts it chose for every token and layer, and the update and reference passes replay them "
+        "(micro-batch aligned, through packing, recomputation and TP/PP/EP). `r3`: the rollout engine "
+        "returns the experts it used (vLLM `enable_return_routed_experts`, GPU only; SGLang "
+        "`return_routed_experts`), they travel with each trajectory, and every training pass replays them "
+        "(tokens without engine routing route on their own). Needs an MoE model.",
+    )
+    aux_loss_coeff: float = Field(
+        0.0,
+        ge=0.0,
+        description="Coefficient of Megatron's router load-balancing loss. 0 in RL: the loss pulls the router "
+        "towards even expert loads with a gradient unrelated to the reward, so the trained policy's routing, "
+        "and with it its logprobs, drift away from the engine's (the mismatch the importance ratio pays for); "
+        "the pretrained router is already balanced. Logged either way as `moe/aux_loss` (coefficient 1).",
+    )
+    grouped_gemm: bool = Field(
+        False, description="Grouped GEMM experts (GPU with Transformer Engine; the local spec ignores it)."
+    )
 
 
 # -------------------------------------------------------------------------------- perturbation
@@ -187,6 +215,19 @@ class PerturbationConfig(_Section):
         "decays with the model's schedule to `lr * optimizer.min_lr / optimizer.lr`.",
     )
     seed: int = Field(1234, description="Base seed of the noise stream (mixed with step, micro-batch, ranks).")
+    moe_routing: Optional[Literal["follow", "fixed"]] = Field(
+        None,
+        description="MoE models: whether the noise may change which experts a token goes to in the update pass. "
+        "`follow`: the router sees the perturbed hidden state, so the noise moves discrete expert choices as well "
+        "as activations; pi_theta,sigma then includes the jumps of tokens whose experts flip and the ratio "
+        "pi_theta,sigma / pi_rollout carries them, smoothed over the routing boundaries the noise crosses. "
+        "`fixed`: every token keeps the experts of the unperturbed routing (the replayed one under "
+        "`moe.routing_replay` r2/r3, else the old-policy pass's own) while the noise still flows through the "
+        "gate weights of those experts and through the experts; the ratio then measures the continuous "
+        "mismatch only, and routing mismatch is what the replay leaves (none on replayed tokens under r3). "
+        "null: `fixed` with a routing replay, `follow` without. `moe/noise_flip_frac` logs how often the noise "
+        "changes the router's own choice in either mode.",
+    )
 
     @field_validator("layers")
     @classmethod
@@ -460,6 +501,13 @@ class RolloutConfig(_Section):
         description="Python interpreter that runs the SGLang server (SGLang pins its own torch, so images "
         "install it in an environment of its own). Default: $MEGATRON_ALP_SGLANG_PYTHON (the Docker image "
         "sets it), else the trainer's interpreter.",
+    )
+    return_routed_experts: Optional[bool] = Field(
+        None,
+        description="MoE models: the engine returns the experts it routed every token to, per layer (vLLM "
+        "`enable_return_routed_experts`, which needs its Model Runner V2 and so a GPU; SGLang "
+        "`--enable-return-routed-experts`), carried with each trajectory. null: exactly when "
+        "`moe.routing_replay: r3`, which needs it; `true` under none/r2 logs `moe/rollout_agreement` only.",
     )
     offload_weights: bool = Field(
         True,
@@ -788,6 +836,7 @@ class Config(_Section):
 
     model: ModelConfig
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    moe: MoEConfig = Field(default_factory=MoEConfig)
     perturbation: PerturbationConfig = Field(default_factory=PerturbationConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
@@ -819,6 +868,7 @@ class Config(_Section):
                 "perturbed forward (the unperturbed single-ratio baseline is seq_bypass)"
             )
         self.loss.clip_low, self.loss.clip_high = spec.clip_range(self.loss)
+        self._resolve_moe()
         if self.trainer.sft_warmup_steps and self.model.tiny is None:
             raise ValueError("trainer.sft_warmup_steps is for tiny models (model.tiny); start real models from a checkpoint")
         if self.trainer.sft_warmup_format == "tir" and not self.tir.enabled:
@@ -841,6 +891,10 @@ class Config(_Section):
         if self.rollout.partial_rollout and not self.trainer.max_staleness:
             raise ValueError("rollout.partial_rollout continues generations across weight updates, which happen "
                              "during generation only with trainer.max_staleness >= 1")
+        if self.rollout.partial_rollout and self.moe.routing_replay == "r3":
+            raise ValueError("rollout.partial_rollout with moe.routing_replay=r3: a continued sequence is re-fed under "
+                             "the new weights, so the engine's routing of its earlier span would be lost; use r2 or "
+                             "partial_rollout: false")
         if self.rollout.partial_rollout and self.tir.enabled:
             raise ValueError("rollout.partial_rollout with tir.enabled: a multi-turn episode is generated in several "
                              "calls whose spans are not tracked across turns; use partial_rollout: false")
@@ -853,6 +907,21 @@ class Config(_Section):
         if self.tir.enabled and "system_prompt" not in self.data.model_fields_set:
             self.data = self.data.model_copy(update={"system_prompt": TIR_SYSTEM_PROMPT})
         return self
+
+
+    def _resolve_moe(self) -> None:
+        replay = self.moe.routing_replay
+        if replay != "none" and self.model.tiny is not None and self.model.tiny != "qwen3_moe":
+            raise ValueError(f"moe.routing_replay={replay} needs a mixture-of-experts model; model.tiny="
+                             f"{self.model.tiny} is dense (use none, or model.tiny=qwen3_moe)")
+        if self.perturbation.moe_routing is None:
+            self.perturbation.moe_routing = "fixed" if replay != "none" else "follow"
+        engine_routing = self.rollout.return_routed_experts
+        if engine_routing is None:
+            self.rollout.return_routed_experts = replay == "r3"
+        elif not engine_routing and replay == "r3":
+            raise ValueError("moe.routing_replay=r3 replays the engine's routing, which rollout.return_routed_experts="
+                             "false turns off: remove that key, or choose moe.routing_replay r2 or none")
 
 
 def _format_errors(err: ValidationError, source: str) -> str:

@@ -17,6 +17,12 @@ computed and how even the work is. Three ways, chosen by the trainer config:
 
 Every micro-batch keeps the padded per-sequence view of its sequences (``batch``), which the loss
 and the logprob results use; :meth:`MicroBatch.unpack` maps per-token model outputs onto it.
+
+Expert parallelism runs an all-to-all in every MoE layer of every micro-batch, so the ranks of an
+expert-parallel group must run the same number of micro-batches. ``min_count`` splits the
+micro-batches with the most sequences until there are that many, and where a rank has fewer
+sequences than that, adds *fillers*: repeats of its smallest micro-batch with no loss tokens and
+zero advantages, which take part in the collectives and change nothing.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ class MicroBatch:
     positions: torch.Tensor  # [r, T] position of each token within its own sequence
     segments: Optional[torch.Tensor] = None  # packed: [r, T] sequence number of each token (pad tails too)
     index: Optional[torch.Tensor] = None  # packed: [n, L] flat position in [r * T] of each padded-view token
+    filler: bool = False  # a repeat that only keeps collectives in step: no loss tokens, zero advantages
 
     @property
     def packed(self) -> bool:
@@ -51,12 +58,36 @@ class MicroBatch:
     def computed_tokens(self) -> int:
         return self.tokens.numel()
 
-    def unpack(self, values: torch.Tensor) -> torch.Tensor:
-        """Per-token model outputs ``[r, T]`` -> the padded view ``[n, L]`` (0 past each sequence)."""
+    def _inside(self, device) -> torch.Tensor:
+        """``[n, L]``: True on each sequence's own positions of the padded view."""
         width = self.batch.tokens.shape[1]
-        inside = torch.arange(width, device=values.device) < self.batch.lengths.to(values.device).unsqueeze(1)
-        picked = values.reshape(-1)[self.index.to(values.device)] if self.packed else values[:, :width]
-        return torch.where(inside, picked, values.new_zeros(()))
+        return torch.arange(width, device=device) < self.batch.lengths.to(device).unsqueeze(1)
+
+    def unpack(self, values: torch.Tensor, fill=0) -> torch.Tensor:
+        """Per-token model outputs ``[r, T, ...]`` -> the padded view ``[n, L, ...]`` (``fill`` past
+        each sequence)."""
+        width = self.batch.tokens.shape[1]
+        inside = self._inside(values.device)
+        if self.packed:
+            picked = values.reshape(-1, *values.shape[2:])[self.index.to(values.device)]
+        else:
+            picked = values[:, :width]
+        inside = inside.reshape(*inside.shape, *([1] * (picked.dim() - 2)))
+        return torch.where(inside, picked, values.new_full((), fill))
+
+    def layout(self, values: torch.Tensor, fill=0) -> torch.Tensor:
+        """The inverse of :meth:`unpack`: per-sequence values in the padded view ``[n, L, ...]`` ->
+        this micro-batch's rows ``[r, T, ...]``, ``fill`` on pad positions."""
+        rows, width = self.tokens.shape
+        out = values.new_full((rows * width if self.packed else rows, *([] if self.packed else [width]),
+                               *values.shape[2:]), fill)
+        inside = self._inside(values.device)
+        if self.packed:
+            out[self.index.to(values.device)[inside]] = values[inside]
+            return out.reshape(rows, width, *values.shape[2:])
+        out[:, : values.shape[1]] = torch.where(
+            inside.reshape(*inside.shape, *([1] * (values.dim() - 2))), values, values.new_full((), fill))
+        return out
 
     def attention_mask(self) -> Optional[torch.Tensor]:
         """Block-diagonal causal mask ``[r, 1, T, T]`` (True = masked, Megatron's convention) for
@@ -123,13 +154,52 @@ def micro_batches(
     pad_multiple: int = 1,
     one_row: bool = True,
     equal_length: bool = False,
+    min_count: int = 1,
 ) -> list[MicroBatch]:
     """Cut ``batch`` into micro-batches as ``batching`` says. Row widths are padded to
     ``pad_multiple`` (sequence parallelism shards them). A packed micro-batch is ``one_row`` (THD:
     LPT-balanced bins), or, for attention that takes a dense mask, rows as wide as its longest
     sequence that short sequences share (the mask costs rows x width^2, not budget^2).
     ``equal_length`` pads every one-row micro-batch to the longest (one shape for pipeline-parallel
-    communication)."""
+    communication). ``min_count``: at least this many micro-batches, split or with fillers (see the
+    module docstring)."""
+    micro = _cut(batch, batching, pad_id, pad_multiple, one_row, equal_length, min_count)
+    if micro and len(micro) < min_count:
+        smallest = min(micro, key=lambda m: (m.computed_tokens, len(m.rows)))
+        micro += [_filler(smallest) for _ in range(min_count - len(micro))]
+    return micro
+
+
+def _filler(mb: MicroBatch) -> MicroBatch:
+    b = mb.batch
+    quiet = dataclasses.replace(b, loss_mask=torch.zeros_like(b.loss_mask), advantages=torch.zeros_like(b.advantages))
+    return dataclasses.replace(mb, batch=quiet, filler=True)
+
+
+def _halve(seqs: list[int]) -> list[list[int]]:
+    """Two groups of alternate members of a length-sorted group: their sizes stay close."""
+    return [seqs[0::2], seqs[1::2]]
+
+
+def _halve_rows(rows: list[list[int]]) -> list[list[list[int]]]:
+    """A micro-batch of packed rows splits by rows; one row by its sequences."""
+    return [rows[0::2], rows[1::2]] if len(rows) > 1 else [[half] for half in _halve(rows[0])]
+
+
+def _split(groups: list, min_count: int, sequences, tokens, halve) -> list:
+    """Halve the group with the most sequences (then the most tokens) until there are
+    ``min_count`` groups or none has two sequences."""
+    groups = list(groups)
+    while len(groups) < min_count:
+        i = max(range(len(groups)), key=lambda k: (sequences(groups[k]), tokens(groups[k]), -k))
+        if sequences(groups[i]) < 2:
+            break
+        groups[i:i + 1] = halve(groups[i])
+    return groups
+
+
+def _cut(batch: RLBatch, batching: Batching, pad_id: int, pad_multiple: int, one_row: bool, equal_length: bool,
+         min_count: int) -> list[MicroBatch]:
     lengths = batch.lengths.tolist()
     budget = batching.max_tokens
     if budget is not None and lengths and max(lengths) > budget:
@@ -139,14 +209,21 @@ def micro_batches(
             "the engine context (rollout.max_model_len)"
         )
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+
+    def tokens(seqs):
+        return sum(lengths[i] for i in seqs)
+
     if batching.pack and one_row:
-        bins = _packed_bins(lengths, budget)
-        width = max(sum(lengths[i] for i in b) for b in bins) if equal_length and bins else None
+        bins = _split(_packed_bins(lengths, budget), min_count, len, tokens, _halve)
+        width = max(tokens(b) for b in bins) if equal_length and bins else None
         return [_packed(batch, [b], pad_id, pad_multiple, width) for b in bins]
     if batching.pack:
-        return [_packed(batch, rows, pad_id, pad_multiple, None) for rows in _row_groups(order, lengths, budget)]
+        layouts = _split(_row_groups(order, lengths, budget), min_count, lambda rows: sum(map(len, rows)),
+                         lambda rows: sum(map(tokens, rows)), _halve_rows)
+        return [_packed(batch, rows, pad_id, pad_multiple, None) for rows in layouts]
     groups = (_budget_groups(order, lengths, budget) if budget is not None
               else [order[i: i + batching.size] for i in range(0, len(order), batching.size)])
+    groups = _split(groups, min_count, len, tokens, _halve)
     return [_padded(batch, torch.tensor(g), pad_id, pad_multiple) for g in groups]
 
 

@@ -144,7 +144,7 @@ def measure(cfg: Config, model_dir: str, *, prompts: int, n: Optional[int], max_
     owns_groups = not dist.is_initialized()
     init_distributed(parallel, seed=seed)
     try:
-        model = build_gpt_model(hf_to_megatron(load_hf_config(model_dir)), cfg.model, parallel)
+        model = build_gpt_model(hf_to_megatron(load_hf_config(model_dir)), cfg.model, parallel, moe=cfg.moe)
         if cfg.model.load is not None:
             from megatron_alp.dist_checkpoint import load_checkpoint
 

@@ -2,7 +2,9 @@
 
 Both go through Megatron-Core's pipeline schedules, so TP/PP/SP/EP, recomputation and gradient
 reduction are Megatron's own. Logprob passes (old policy, reference policy) run outside
-``perturbed_step`` and are never perturbed; the update pass runs inside it.
+``perturbed_step`` and are never perturbed; the update pass runs inside it. On an MoE model each
+pass takes a :class:`~megatron_alp.routing_replay.PassRouting` (which experts it replays, what it
+records; :mod:`megatron_alp.routing_replay`).
 
 Loss scaling: each micro-batch's policy loss comes back from :func:`policy_loss` already divided
 by the mini-batch's global token/sequence counts (over all micro-batches and data-parallel
@@ -13,6 +15,7 @@ mini-batch loss in the configured aggregation mode.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -32,6 +35,7 @@ from megatron_alp.perturbation import next_microbatch, perturbed_step
 from megatron_alp.policy_loss import LossInputs, loss_counts, policy_loss
 from megatron_alp.rl_batch import RLBatch, build_rl_batch
 from megatron_alp.rollout.base import Trajectory
+from megatron_alp.routing_replay import PassRouting, routing_pass
 from megatron_alp.rollout.weight_sync import mismatch_stats
 
 
@@ -42,9 +46,19 @@ def _pad_multiple(model_config) -> int:
 def _cut(model, batch: RLBatch, batching: Batching, pad_id: int, thd: bool) -> list[MicroBatch]:
     """Micro-batches for ``model``'s layout: rows padded to the TP size under sequence parallelism;
     packed into one THD row for Transformer Engine (of one length under pipeline parallelism: one
-    p2p shape per pass), into masked rows for Megatron's local attention."""
-    return micro_batches(batch, batching, pad_id=pad_id, pad_multiple=_pad_multiple(model.config), one_row=thd,
-                         equal_length=ps.get_pipeline_model_parallel_world_size() > 1)
+    p2p shape per pass), into masked rows for Megatron's local attention. Under expert parallelism
+    every data-parallel rank runs as many micro-batches as the one with the most (each MoE layer's
+    all-to-all needs the whole expert-parallel group)."""
+    kw = dict(pad_id=pad_id, pad_multiple=_pad_multiple(model.config), one_row=thd,
+              equal_length=ps.get_pipeline_model_parallel_world_size() > 1)
+    micro = micro_batches(batch, batching, **kw)
+    if getattr(model.config, "num_moe_experts", None) and ps.get_expert_model_parallel_world_size() > 1:
+        group = ps.get_data_parallel_group()
+        count = torch.tensor([len(micro)], dtype=torch.int64, device=comm_device(group))
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=group)
+        if int(count.item()) > len(micro):
+            micro = micro_batches(batch, batching, min_count=int(count.item()), **kw)
+    return micro
 
 
 def _takes_thd(model) -> bool:
@@ -96,18 +110,25 @@ def _run(model, micro: list[MicroBatch], step_fn, forward_only: bool):
 
 @torch.no_grad()
 def compute_logprobs(
-    model, batch: RLBatch, *, batching: Batching, temperature: float, pad_id: int, fused: bool = True
+    model, batch: RLBatch, *, batching: Batching, temperature: float, pad_id: int, fused: bool = True,
+    routing: Optional[PassRouting] = None, perturb_step: Optional[int] = None,
 ) -> Optional[torch.Tensor]:
     """Unperturbed logprobs of ``batch.targets`` [N, L] (same order and width as ``batch``) on the
     last pipeline stage; None on the other stages. ``fused``: from hidden states and the output
-    weight (:func:`~megatron_alp.logprobs.linear_token_logprobs`), never materialising the logits."""
+    weight (:func:`~megatron_alp.logprobs.linear_token_logprobs`), never materialising the logits.
+    ``routing`` (MoE): the experts the pass replays and what it records (into ``batch``).
+    ``perturb_step``: instead, the ALP-perturbed logprobs with the noise of that optimizer step's
+    update (forward only; diagnostics and benchmarks)."""
     model.eval()
     device = next(model.parameters()).device
     thd = _takes_thd(model)
     micro = _cut(model, batch, batching, pad_id, thd)
+    perturbed = perturbed_step(model, perturb_step) if perturb_step is not None else contextlib.nullcontext()
 
     def step_fn(data_iter, m):
         mb = next(data_iter).to(device)
+        begin_routing(mb)
+        next_microbatch(m)
         output = _forward(m, mb, thd)
 
         def collect(out):
@@ -116,13 +137,16 @@ def compute_logprobs(
 
         return output, collect
 
-    with emitting_hidden(model, fused) as emits:
+    with perturbed, routing_pass(model, batch, routing, training=False) as begin_routing, \
+            emitting_hidden(model, fused) as emits:
         outs = _run(model, micro, step_fn, forward_only=True)
     model.train()
     if not ps.is_pipeline_last_stage():
         return None
     result = torch.zeros(batch.tokens.shape, dtype=torch.float32)
     for mb, out in zip(micro, outs):
+        if mb.filler:
+            continue
         lp = out["logprobs"]
         result[mb.rows, : lp.shape[1]] = lp
     return result
@@ -170,9 +194,11 @@ def train_mini_batch(
     pad_id: int,
     metrics: StepMetrics,
     fused: bool = True,
+    routing: Optional[PassRouting] = None,
 ) -> dict:
     """One optimizer step on a mini-batch with the perturbed policy forward; returns step stats
-    (``computed_tokens`` counts pad tokens too, ``tokens`` only the sequences')."""
+    (``computed_tokens`` counts pad tokens too, ``tokens`` only the sequences'). ``routing`` (MoE):
+    the experts the pass replays (:mod:`megatron_alp.routing_replay`)."""
     model.train()
     device = next(model.parameters()).device
     thd = _takes_thd(model)
@@ -182,6 +208,7 @@ def train_mini_batch(
 
     def step_fn(data_iter, m):
         mb = next(data_iter).to(device)
+        begin_routing(mb)
         next_microbatch(m)
         output = _forward(m, mb, thd)
 
@@ -208,7 +235,8 @@ def train_mini_batch(
     for chunk in model_chunks(model):
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    with perturbed_step(model, step), emitting_hidden(model, fused) as emits:
+    with perturbed_step(model, step), routing_pass(model, batch, routing, training=True) as begin_routing, \
+            emitting_hidden(model, fused) as emits:
         _run(model, micro, step_fn, forward_only=False)
     ok, grad_norm, _ = optimizer.step()
     return {

@@ -4,6 +4,12 @@ Position ``t`` of every per-token tensor describes the prediction of token ``t +
 logits at ``t``: ``targets[:, t] = tokens[:, t + 1]``, and ``loss_mask``, ``rollout_logprobs``,
 ``old_logprobs``... refer to that target token. A response token ``j`` of a trajectory with a
 prompt of length ``P`` therefore lives at index ``P - 1 + j``.
+
+Routing tensors (MoE) are input-aligned like ``tokens``: ``rollout_routing[i, t, l]`` are the
+experts layer ``l`` sent token ``t`` to, whose hidden state produces the logits at ``t``. They are
+``[N, L, layers, k]`` in a compact dtype (:func:`~megatron_alp.models.routing.routing_dtype`),
+:func:`~megatron_alp.models.routing.no_expert` where no routing is given (padding, the last token
+the engine never fed back).
 """
 
 from __future__ import annotations
@@ -16,7 +22,10 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_alp.balance import partition
+from megatron_alp.models.routing import no_expert, routing_dtype
 from megatron_alp.rollout.base import Trajectory
+
+ROUTING_FIELDS = ("rollout_routing", "old_routing")
 
 
 @dataclass
@@ -29,6 +38,8 @@ class RLBatch:
     lengths: torch.Tensor  # [N] int64, prompt + response tokens
     old_logprobs: Optional[torch.Tensor] = None
     ref_logprobs: Optional[torch.Tensor] = None
+    rollout_routing: Optional[torch.Tensor] = None  # MoE: [N, L, layers, k] the engine's experts (R3)
+    old_routing: Optional[torch.Tensor] = None  # MoE: [N, L, layers, k] the old-policy pass's own experts (R2)
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -38,7 +49,7 @@ class RLBatch:
         rows = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         picked = {k: (v[index] if v is not None else None) for k, v in rows.items()}
         width = int(picked["lengths"].max().item()) if len(picked["lengths"]) else 1
-        return RLBatch(**{k: (v[:, :width] if v is not None and v.dim() == 2 else v) for k, v in picked.items()})
+        return RLBatch(**{k: (v[:, :width] if v is not None and v.dim() >= 2 else v) for k, v in picked.items()})
 
     def pad_to_multiple(self, multiple: int, pad_id: int) -> "RLBatch":
         """Right-pad the sequence dimension to a multiple (sequence parallelism shards it)."""
@@ -48,9 +59,9 @@ class RLBatch:
         out = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if v is not None and v.dim() == 2:
-                fill = pad_id if v.dtype == torch.long else 0
-                v = torch.nn.functional.pad(v, (0, extra), value=fill)
+            if v is not None and v.dim() >= 2:
+                fill = pad_id if v.dtype == torch.long else no_expert(v.dtype) if f.name in ROUTING_FIELDS else 0
+                v = torch.cat([v, v.new_full((v.shape[0], extra, *v.shape[2:]), fill)], dim=1)
             out[f.name] = v
         return RLBatch(**out)
 
@@ -80,7 +91,28 @@ def build_rl_batch(trajectories: list[Trajectory], advantages: torch.Tensor, pad
             rollout[i, p - 1: p - 1 + r] = torch.tensor(t.rollout_logprobs, dtype=torch.float32)
     targets = torch.nn.functional.pad(tokens[:, 1:], (0, 1), value=pad_id)
     rollout = rollout * mask
-    return RLBatch(tokens, targets, mask, rollout, advantages.float().reshape(n), lengths)
+    return RLBatch(tokens, targets, mask, rollout, advantages.float().reshape(n), lengths,
+                   rollout_routing=engine_routing(trajectories, width))
+
+
+def engine_routing(trajectories: list[Trajectory], width: int) -> Optional[torch.Tensor]:
+    """The engine's routing of every trajectory, ``[N, width, layers, k]`` (None when the engine
+    returned none); positions past each trajectory's routing hold :func:`no_expert`."""
+    given = [t.routed_experts is not None for t in trajectories]
+    if not any(given):
+        return None
+    if not all(given):
+        raise ValueError(f"trajectory {given.index(False)} carries no engine routing while others do "
+                         "(rollout.return_routed_experts)")
+    shapes = {t.routed_experts.shape[1:] for t in trajectories}
+    if len(shapes) != 1:
+        raise ValueError(f"trajectories carry engine routing of different [layers, k] shapes: {sorted(shapes)}")
+    largest = max((int(t.routed_experts.max()) for t in trajectories if t.routed_experts.size), default=0)
+    dtype = routing_dtype(largest + 1)
+    out = torch.full((len(trajectories), width, *shapes.pop()), no_expert(dtype), dtype=dtype)
+    for i, t in enumerate(trajectories):
+        out[i, : len(t.routed_experts)] = torch.from_numpy(t.routed_experts.astype("int64")).to(dtype)
+    return out
 
 
 def exclude_from_loss(batch: RLBatch, rows: torch.Tensor) -> None:

@@ -216,9 +216,11 @@ class RLTrainer:
         from megatron_alp.models.hf_weights import load_hf_weights
         from megatron_alp.optim import build_optimizer, wrap_for_training
         from megatron_alp.policy_loss import needs_old_logprobs, needs_ref_logprobs
+        from megatron_alp.routing_replay import RoutingPlan
 
         cfg = self.cfg
-        policy = build_gpt_model(self.args, cfg.model, cfg.parallel, cfg.perturbation)
+        policy = build_gpt_model(self.args, cfg.model, cfg.parallel, cfg.perturbation, moe=cfg.moe)
+        self.routing = RoutingPlan.for_config(cfg)
         if cfg.model.load is None:
             load_hf_weights(policy, self.model_dir)
         self.policy = wrap_for_training(policy, cfg.parallel)
@@ -232,7 +234,7 @@ class RLTrainer:
             load_checkpoint(cfg.model.load, self.policy_module, strict=True)
         self.reference = None
         if needs_ref_logprobs(cfg.loss):
-            self.reference = build_gpt_model(self.args, cfg.model, cfg.parallel, perturbation=None)
+            self.reference = build_gpt_model(self.args, cfg.model, cfg.parallel, perturbation=None, moe=cfg.moe)
             if cfg.model.load is None:
                 load_hf_weights(self.reference, self.model_dir)
             else:
@@ -241,7 +243,7 @@ class RLTrainer:
                 load_checkpoint(cfg.model.load, self.reference, strict=False)
             for p in self.reference.parameters():
                 p.requires_grad_(False)
-        self.need_old = needs_old_logprobs(cfg.loss.name) or cfg.trainer.mismatch_metrics
+        self.need_old = needs_old_logprobs(cfg.loss.name) or cfg.trainer.mismatch_metrics or self.routing.needs_old_pass
         r = cfg.rollout
         kinds = tuple(kind for kind, on in zip(KINDS, (r.offload_weights, r.offload_grads, r.offload_optimizer)) if on)
         self.offloader = None
@@ -538,6 +540,7 @@ class RLTrainer:
         from megatron_alp.policy_update import compute_logprobs, train_mini_batch
         from megatron_alp.micro_batch import Batching
         from megatron_alp.rl_batch import build_rl_batch, exclude_from_loss, mini_batches
+        from megatron_alp.routing_replay import routing_metrics
 
         cfg, ps = self.cfg, self.ps
         timing = {}
@@ -570,12 +573,14 @@ class RLTrainer:
         _reset_peak_memory()
         if self.need_old:
             local.old_logprobs = compute_logprobs(self.policy, local, batching=logprob_batching,
-                                                  temperature=temperature, pad_id=self.pad_id, fused=fused)
+                                                  temperature=temperature, pad_id=self.pad_id, fused=fused,
+                                                  routing=self.routing.old)
         timing["timing/old_logprob_s"] = time.time() - t0
         t0 = time.time()
         if self.reference is not None:
             local.ref_logprobs = compute_logprobs(self.reference, local, batching=logprob_batching,
-                                                  temperature=temperature, pad_id=self.pad_id, fused=fused)
+                                                  temperature=temperature, pad_id=self.pad_id, fused=fused,
+                                                  routing=self.routing.ref)
         timing["timing/ref_logprob_s"] = time.time() - t0
         timing.update(_memory("logprob"))
 
@@ -588,7 +593,7 @@ class RLTrainer:
             stats = train_mini_batch(
                 self.policy, self.optimizer, mini, loss_cfg=cfg.loss, step=self.step,
                 batching=Batching.for_update(cfg.trainer), temperature=temperature, pad_id=self.pad_id,
-                metrics=metrics, fused=fused,
+                metrics=metrics, fused=fused, routing=self.routing.update,
             )
             self.scheduler.step(1)
             self.step += 1
@@ -628,6 +633,7 @@ class RLTrainer:
         out["update/skipped"] = float(sum(not s["update_ok"] for s in step_stats))
         out.update(learning_rates(self.optimizer))
         out.update(gather_sigma_stats(self.policy_module))
+        out.update(routing_metrics(self.policy))
         out.update(timing)
         out.update({k: v for k, v in (sync_stats or {}).items() if isinstance(v, (int, float))})
         tokens = float(batch.lengths.sum().item())

@@ -66,12 +66,14 @@ def test_a_tensor_parallel_update_passes_the_checker(checks):
 
 
 @pytest.mark.parametrize("layout, overrides", [
-    ("dp2_ep2", ("model.tiny=qwen3_moe", "parallel.expert_model_parallel_size=2")),
+    ("dp2_ep2", ("model.tiny=qwen3_moe", "parallel.expert_model_parallel_size=2", "moe.routing_replay=r2",
+                 "trainer.max_tokens_per_micro_batch=120")),
     ("pp2", ("parallel.pipeline_model_parallel_size=2",)),
 ])
 def test_the_trainer_runs_under_the_checker(tmp_path, layout, overrides):
     """One CI-sized iteration: rollouts, the reward broadcast, logprob passes, updates with DP
-    gradient reduction, MoE all-to-all or pipeline send/recv, metrics, weight sync, checkpoint."""
+    gradient reduction, MoE all-to-all (with R2 routing replay: its TP gathers, metric reductions and
+    the micro-batch count agreement) or pipeline send/recv, metrics, weight sync, checkpoint."""
     run = tmp_path / layout
     rc, out = train(run, "trainer.iterations=1", "trainer.prompts_per_iteration=8", "trainer.sft_warmup_steps=0",
                     *overrides, nproc=2, env=CHECK)
@@ -81,3 +83,6 @@ def test_the_trainer_runs_under_the_checker(tmp_path, layout, overrides):
     for key in ("loss/total", "ratio/p50", "grad_norm", "mismatch/kl_k3", "sigma/mean"):
         assert math.isfinite(m[key]), (key, m)
     assert (run / "checkpoints" / "iter_0000001").is_dir()
+    if layout == "dp2_ep2":  # R2 under perturbation.moe_routing: fixed: the replayed experts never flip
+        assert m["moe/update_flip_frac"] == 0.0 and m["moe/replayed_frac"] == 1.0, m
+        assert m["moe/expert_load"] >= 1.0 and math.isfinite(m["moe/aux_loss"]), m

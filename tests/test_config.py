@@ -25,6 +25,13 @@ def _minimal(**sections):
         (_minimal(parallel={"sequence_parallel": True}), "needs `tensor_model_parallel_size` > 1"),
         (_minimal(rollout={"sampling": {"top_k": 0}}), "rollout.sampling.top_k"),
         ({"model": {}}, "set exactly one of `hf_path`"),
+        (_minimal(moe={"routing_replay": "r4"}), "moe.routing_replay: Input should be 'none', 'r2' or 'r3'"),
+        (_minimal(moe={"routing_replay": "r2"}), "moe.routing_replay=r2 needs a mixture-of-experts model; "
+                                                "model.tiny=qwen2 is dense"),
+        ({"model": {"tiny": "qwen3_moe"}, "moe": {"routing_replay": "r3"}, "rollout": {"return_routed_experts": False}},
+         "moe.routing_replay=r3 replays the engine's routing, which rollout.return_routed_experts=false turns off"),
+        (_minimal(perturbation={"moe_routing": "frozen"}), "perturbation.moe_routing"),
+        (_minimal(model={"tiny": "qwen2", "moe_aux_loss_coeff": 0.0}), "model.moe_aux_loss_coeff: unknown key"),
         ({"loss": {}}, "model: required key is missing"),
     ],
 )
@@ -56,3 +63,29 @@ def test_layer_selection():
     assert parse_layer_selection([1, "2-3"], 4) == {1, 2, 3}
     with pytest.raises(ValueError, match="layer 30 does not exist"):
         parse_layer_selection("19-30", 28)
+
+
+def test_moe_defaults_and_resolution():
+    """RL runs default to no load-balancing loss; perturbation.moe_routing and
+    rollout.return_routed_experts follow moe.routing_replay unless set."""
+    dense = config_from_dict(_minimal())
+    assert dense.moe.routing_replay == "none" and dense.moe.aux_loss_coeff == 0.0
+    assert dense.perturbation.moe_routing == "follow" and dense.rollout.return_routed_experts is False
+    r3 = config_from_dict({"model": {"tiny": "qwen3_moe"}, "moe": {"routing_replay": "r3"}})
+    assert r3.perturbation.moe_routing == "fixed" and r3.rollout.return_routed_experts is True
+    r2 = config_from_dict({"model": {"tiny": "qwen3_moe"}, "moe": {"routing_replay": "r2"},
+                           "perturbation": {"moe_routing": "follow"}, "rollout": {"return_routed_experts": True}})
+    assert r2.perturbation.moe_routing == "follow" and r2.rollout.return_routed_experts is True
+    hf = config_from_dict({"model": {"hf_path": "/models/any"}, "moe": {"routing_replay": "r2"}})
+    assert hf.moe.routing_replay == "r2"  # dense or not is known once the model's config is read
+
+
+def test_routing_replay_on_a_dense_checkpoint_is_refused_when_the_model_is_built():
+    from megatron_alp.models.builder import check_moe
+    from megatron_alp.models.families import hf_to_megatron
+    from megatron_alp.models.tiny import tiny_hf_config
+    from megatron_alp.config import MoEConfig
+
+    with pytest.raises(ConfigError, match="moe.routing_replay=r3 needs a mixture-of-experts model; this qwen3 model"):
+        check_moe(hf_to_megatron(tiny_hf_config("qwen3")), MoEConfig(routing_replay="r3"))
+    check_moe(hf_to_megatron(tiny_hf_config("qwen3_moe")), MoEConfig(routing_replay="r3"))

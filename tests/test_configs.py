@@ -22,6 +22,7 @@ MODELS = {
     "Qwen3-4B": (36, 32, 8),
     "Qwen2.5-7B": (28, 28, 4),
     "Qwen3-30B-A3B-Base": (48, 32, 4),
+    "Qwen3-16B-A3B": (48, 32, 4),
     "Qwen2.5-32B": (64, 40, 8),
 }
 TOKEN_LOSSES = {"alp_token", "grpo", "token_mis", "token_tis"}
@@ -33,6 +34,7 @@ EXPECTED = {  # the paper's experiments, each a ready config
     "qwen2.5-math-1.5b_ablation_layers_0-4": "alp_token", "qwen2.5-math-1.5b_ablation_layers_12-16": "alp_token",
     "qwen2.5-math-1.5b_ablation_layers_19-23": "alp_token", "qwen2.5-math-1.5b_ablation_logits_only": "alp_token",
     "qwen3-30b-a3b_seq_alp": "alp_seq", "qwen2.5-32b_seq_alp": "alp_seq",
+    "qwen3-16b-a3b_seq_alp": "alp_seq",
 }
 
 
@@ -107,8 +109,14 @@ def test_tir_and_moe_specifics():
     tir = load_config(ROOT / "configs" / "qwen2.5-7b_tir_seq_alp.yaml")
     assert tir.tir.enabled and tir.tir.max_turns == 5 and tir.tir.mask_void_turns
     assert tir.trainer.prompts_per_iteration // tir.trainer.updates_per_iteration == 32  # mini-update size
-    moe = load_config(ROOT / "configs" / "qwen3-30b-a3b_seq_alp.yaml")
-    assert moe.parallel.expert_model_parallel_size == 8
+    for name in ("qwen3-30b-a3b_seq_alp.yaml", "qwen3-16b-a3b_seq_alp.yaml"):
+        moe = load_config(ROOT / "configs" / name)
+        assert moe.parallel.expert_model_parallel_size == 8
+        # R3: the engine's routing replayed in every pass, the noise kept off the expert choice,
+        # no load-balancing loss, every GPU generating with vLLM (which returns the routing)
+        assert moe.moe.routing_replay == "r3" and moe.rollout.return_routed_experts
+        assert moe.perturbation.moe_routing == "fixed" and moe.moe.aux_loss_coeff == 0.0
+        assert moe.rollout.engine == "vllm" and moe.rollout.replicas == "auto"
 
 
 def test_tir_system_prompt_and_warm_start_format():

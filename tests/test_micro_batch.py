@@ -135,6 +135,48 @@ def test_equal_length_rows_for_pipeline_parallel():
     assert len(widths) == 1 and widths.pop() % 2 == 0
 
 
+@pytest.mark.parametrize("way", WAYS)
+def test_per_sequence_values_lay_out_into_the_rows_and_back(way):
+    """MicroBatch.layout (per-sequence [n, L, ...] -> the model's rows [r, T, ...], as routing replay
+    uses it) puts each sequence's value at its own tokens and ``fill`` everywhere else, and
+    unpack inverts it, trailing dimensions included."""
+    batching, one_row = WAYS[way]
+    batch = _batch(_lengths(3))
+    for m in micro_batches(batch, batching, pad_id=0, one_row=one_row, pad_multiple=4):
+        n, width = m.batch.tokens.shape
+        values = torch.arange(n * width * 6, dtype=torch.int16).reshape(n, width, 3, 2)
+        laid = m.layout(values, fill=-1)
+        assert laid.shape == (*m.tokens.shape, 3, 2)
+        own = m.layout(torch.ones(n, width, dtype=torch.bool), fill=False)
+        assert int(own.sum()) == int(m.batch.lengths.sum())  # exactly the sequences' own tokens
+        assert bool((laid[~own] == -1).all())
+        assert torch.equal(m.layout(m.batch.tokens)[own], m.tokens[own])  # the same slots as the input ids
+        back = m.unpack(laid, fill=-1)
+        inside = torch.arange(width) < m.batch.lengths.unsqueeze(1)
+        assert torch.equal(back[inside], values[inside]) and bool((back[~inside] == -1).all())
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_min_count_splits_then_adds_fillers(way):
+    """Expert parallelism needs one micro-batch count on every rank: min_count splits the fullest
+    micro-batches (every sequence still exactly once, the budget still held) and, past one sequence
+    per micro-batch, repeats the smallest as fillers with no loss tokens and zero advantages."""
+    batching, one_row = WAYS[way]
+    batch = _batch([40, 7, 13, 9, 30, 5])
+    natural = micro_batches(batch, batching, pad_id=0, one_row=one_row)
+    for target in (len(natural) + 1, 6, 9):
+        micro = micro_batches(batch, batching, pad_id=0, one_row=one_row, min_count=target)
+        assert len(micro) == max(target, len(natural))
+        real = [m for m in micro if not m.filler]
+        assert sorted(i for m in real for i in m.rows.tolist()) == list(range(6))
+        assert len(real) == min(max(target, len(natural)), 6)
+        if batching.max_tokens:
+            assert all(m.computed_tokens <= batching.max_tokens for m in real)
+        for f in (m for m in micro if m.filler):
+            assert f.batch.loss_mask.sum() == 0 and bool((f.batch.advantages == 0).all())
+            assert f.computed_tokens == min(m.computed_tokens for m in real)
+
+
 def test_too_long_sequence_is_a_clear_error():
     with pytest.raises(ValueError, match="max_tokens_per_micro_batch"):
         micro_batches(_batch([5, 30]), Batching(max_tokens=20, pack=True), pad_id=0)

@@ -10,6 +10,7 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from megatron_alp.config import SandboxConfig, TIRConfig
@@ -57,8 +58,9 @@ class ScriptedPolicy(RolloutEngine):
 
     name = "scripted"
 
-    def __init__(self, tokenizer, scripts: dict[str, list[str]], prompts: dict[str, list[int]]):
+    def __init__(self, tokenizer, scripts: dict[str, list[str]], prompts: dict[str, list[int]], routed=False):
         self.tok = tokenizer
+        self.routed = routed  # return the "routing" of the token at position p as p (an engine with R3)
         self.state = {tuple(prompts[k]): (k, 0) for k in scripts}
         self.scripts = scripts
         self.calls: list[tuple[int, SamplingParams]] = []
@@ -91,7 +93,9 @@ class ScriptedPolicy(RolloutEngine):
         if len(ids) > params.max_tokens:
             ids, finish, reason = ids[: params.max_tokens], "length", None
         logprobs = [-(len(ctx) + j + 1) / 1000 for j in range(len(ids))]
-        return Completion(list(ctx), ids, logprobs, finish, text=self.tok.decode(ids), stop_reason=reason)
+        routed = np.arange(len(ctx) + len(ids) - 1, dtype=np.uint16).reshape(-1, 1, 1) if self.routed else None
+        return Completion(list(ctx), ids, logprobs, finish, text=self.tok.decode(ids), stop_reason=reason,
+                          routed_experts=routed)
 
     def update_weights(self, weights):
         pass
@@ -186,6 +190,24 @@ def test_masks_and_logprobs_token_by_token(tok, executor):
     kinds = [s[0] for s in t["fence_code_void"].info["segments"]]
     assert kinds == ["model", "tool", "void"]
     assert t["code_then_answer"].response_text.endswith("so \\boxed{42}.")
+
+
+def test_engine_routing_covers_the_episode_token_by_token(tok, executor):
+    """With routed experts from the engine (R3), an episode keeps its last turn's routing, whose
+    request held the whole context: every token the engine fed through the model has its own
+    routing at its own position; tool output cut off after the last turn has none."""
+    scripts = {"code_then_answer": ["Let me compute.\n```python\nprint(6 * 7)\n```\n", "It is 42, so \\boxed{42}."],
+               "cut_in_tool_output": ["```python\nprint('x' * 300)\n```\n", "never asked"]}
+    prompts = {name: encode_chat(tok, f"Problem {name}") for name in scripts}
+    policy = ScriptedPolicy(tok, scripts, prompts, routed=True)
+    trajs = run_episodes(policy, [prompts[k] for k in scripts], tok, SamplingParams(max_tokens=60),
+                         TIRConfig(enabled=True), executor)
+    done, cut = trajs
+    total = len(done.prompt_ids) + len(done.response_ids)
+    assert done.routed_experts[:, 0, 0].tolist() == list(range(total - 1))  # all but the last token
+    assert cut.finish_reason == "length"
+    fed = len(cut.prompt_ids) + len(policy.emitted["cut_in_tool_output"][0][1]) - 1
+    assert cut.routed_experts[:, 0, 0].tolist() == list(range(fed))  # up to the first turn's last token
 
 
 def test_void_turns_kept_when_not_masked(tok, executor):

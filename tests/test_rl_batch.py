@@ -143,3 +143,43 @@ def test_a_mini_batch_of_truncated_responses_only_has_zero_loss_not_nan():
         for name in LOSS_NAMES:
             loss, grad = _loss_and_grad(batch, name, aggregation, _noise(batch.tokens.shape))
             assert loss.item() == 0.0 and (grad == 0).all(), (name, aggregation)
+
+
+def test_engine_routing_is_aligned_to_its_token_and_follows_the_rows():
+    """Engine routing [tokens, layers, k] lands at the token positions it describes (input-aligned
+    like ``tokens``: the last token, never fed back, has none), in a compact dtype with the
+    no-expert marker past each trajectory's routing; selecting, sharding and padding rows carry it
+    with them."""
+    import numpy as np
+
+    from megatron_alp.models.routing import no_expert
+
+    trajs = []
+    for n_prompt, n_resp, base in ((3, 2, 10), (1, 4, 40), (2, 0, 70)):
+        total = n_prompt + n_resp
+        routed = (base + np.arange((total - 1) * 2 * 2).reshape(total - 1, 2, 2)).astype(np.uint8)
+        t = _traj(list(range(5, 5 + n_prompt)), list(range(50, 50 + n_resp)))
+        t.routed_experts = routed
+        trajs.append(t)
+    b = build_rl_batch(trajs, torch.zeros(3), pad_id=0)
+    none = no_expert(torch.uint8)
+    assert b.rollout_routing.shape == (3, 5, 2, 2) and b.rollout_routing.dtype == torch.uint8
+    for i, t in enumerate(trajs):
+        fed = len(t.routed_experts)
+        assert torch.equal(b.rollout_routing[i, :fed], torch.from_numpy(t.routed_experts))
+        assert bool((b.rollout_routing[i, fed:] == none).all())
+    shard, _ = dp_shard(b, [[[2, 0], [1]]], 0)  # rows 2 and 0, trimmed to their longest (5)
+    assert torch.equal(shard.rollout_routing, b.rollout_routing[[2, 0]])
+    padded = shard.pad_to_multiple(4, pad_id=0)
+    assert padded.rollout_routing.shape == (2, 8, 2, 2) and bool((padded.rollout_routing[:, 5:] == none).all())
+    short = b.select(torch.tensor([2]))  # one 2-token trajectory: width 2
+    assert short.rollout_routing.shape == (1, 2, 2, 2)
+    wide = [_traj([5], [6])]
+    wide[0].routed_experts = np.array([[[300, 1]]], dtype=np.uint16)  # > 254: int16 keeps room for the marker
+    assert build_rl_batch(wide, torch.zeros(1), pad_id=0).rollout_routing.dtype == torch.int16
+    mixed = [_traj([5], [6]), _traj([5], [7])]
+    mixed[0].routed_experts = np.zeros((1, 2, 2), dtype=np.uint8)
+    with pytest.raises(ValueError, match="trajectory 1 carries no engine routing while others do"):
+        build_rl_batch(mixed, torch.zeros(2), pad_id=0)
+    with pytest.raises(ValueError, match="routed experts cover 3 tokens of a 2-token sequence"):
+        Trajectory([5], [6], [0.0], [1], "", "stop", routed_experts=np.zeros((3, 2, 2), dtype=np.uint8))

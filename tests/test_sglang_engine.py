@@ -14,7 +14,8 @@ import torch
 from megatron_alp.config import ConfigError, RolloutConfig, SamplingConfig, config_from_dict
 from megatron_alp.models.tiny import make_tiny_model
 from megatron_alp.rollout import RolloutError, SamplingParams, build_engine
-from megatron_alp.rollout.sglang_engine import check_sglang_installed, check_sglang_sampling, server_command
+from megatron_alp.rollout.sglang_engine import (check_sglang_installed, check_sglang_sampling, decode_routed_experts,
+                                                server_command)
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 
@@ -57,6 +58,30 @@ def test_server_command_carries_the_configuration(monkeypatch):
     assert cmd[0] == sys.executable  # no rollout.sglang_python and no MEGATRON_ALP_SGLANG_PYTHON
     plain = " ".join(server_command(sglang_cfg(free_memory_during_training=False), "/m", "/m", 256, 0))
     assert "--quantization" not in plain and "--enable-memory-saver" not in plain
+
+
+def test_routed_experts_are_asked_for_and_decoded():
+    """R3 on SGLang: the server flag, and meta_info["routed_experts"] (base64 of int32 ids, token-major,
+    then layer, then slot, as SGLang's own extract_routed_experts_from_meta_info reads it) decoded to
+    [tokens, layers, k] in the compact dtype; a payload of the wrong size or with foreign ids is an
+    error naming the key."""
+    import base64
+
+    import numpy as np
+
+    assert "--enable-return-routed-experts" in server_command(sglang_cfg(return_routed_experts=True), "/m", "/m", 256, 0)
+    assert "--enable-return-routed-experts" not in server_command(sglang_cfg(), "/m", "/m", 256, 0)
+    ids = np.arange(5 * 3 * 2, dtype=np.int32).reshape(5, 3, 2) % 8
+    meta = {"routed_experts": base64.b64encode(ids.tobytes()).decode()}
+    got = decode_routed_experts(meta, fed=5, layers=3, topk=2, experts=8)
+    assert got.dtype == np.uint8 and got.shape == (5, 3, 2) and (got == ids).all()
+    assert decode_routed_experts(meta, 5, 3, 2, experts=300).dtype == np.uint16
+    with pytest.raises(RolloutError, match="30 routed expert ids; expected 6 tokens x 3 layers x 2 experts"):
+        decode_routed_experts(meta, fed=6, layers=3, topk=2, experts=8)
+    with pytest.raises(RolloutError, match=r"expert ids in \[0, 7\] for a model of 4 experts"):
+        decode_routed_experts(meta, fed=5, layers=3, topk=2, experts=4)
+    with pytest.raises(RolloutError, match="--enable-return-routed-experts"):
+        decode_routed_experts({}, fed=5, layers=3, topk=2, experts=8)
 
 
 def test_the_server_runs_under_the_configured_interpreter(monkeypatch, tmp_path):

@@ -460,3 +460,24 @@ def test_quickstart_reward_rises_and_generalizes_for_several_seeds(tmp_path, mod
         assert last >= 1.5 * first, (seed, first, last, reward)
         base = json.loads((run / "base.json").read_text())["average"]["average@4"]
         assert m[-1]["val/reward_mean"] >= base + 0.1, (seed, base, m[-1]["val/reward_mean"])
+
+
+@pytest.mark.slow
+def test_moe_routing_replay_trains_and_logs_routing_metrics(tmp_path):
+    """A tiny Qwen3-MoE on 2 ranks with expert parallelism (EP=2 x DP=2) and R2: the old-policy pass
+    records its routing, the reference and update passes replay it (token-budget micro-batches, so
+    the ranks' micro-batch counts are evened out for the all-to-all), and every iteration logs the
+    moe/* metrics (the default suite runs this layout under the collective checker, test_comm.py). Under `fixed` (R2's default) the experts used never flip; the noise still moves
+    the router's own choice now and then. vLLM on the CPU returns no routing: no rollout agreement."""
+    run = tmp_path / "moe_r2"
+    rc, out = train(run, "model.tiny=qwen3_moe", "parallel.expert_model_parallel_size=2", "moe.routing_replay=r2",
+                    "trainer.sft_warmup_steps=0", "trainer.iterations=1", "trainer.prompts_per_iteration=8",
+                    "trainer.max_tokens_per_micro_batch=120", "trainer.eval_interval=0", nproc=2)
+    assert rc == 0, out[-6000:]
+    (m,) = metrics(run)
+    assert m["update/skipped"] == 0 and math.isfinite(m["loss/total"]), m
+    assert m["moe/update_flip_frac"] == 0.0 and m["moe/replayed_frac"] == 1.0, m
+    assert 0.0 <= m["moe/noise_flip_frac"] < 0.5, m
+    assert m["moe/expert_load_worst_layer"] >= m["moe/expert_load"] >= 1.0, m
+    assert 0.5 < m["moe/aux_loss"] < 2.0, m  # 1 at perfect balance (4 experts, top-2: at most 2)
+    assert "moe/rollout_agreement" not in m

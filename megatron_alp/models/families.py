@@ -66,6 +66,12 @@ def load_hf_config(path: str | Path) -> dict:
         raise ValueError(f"{cfg_file}: not valid JSON ({err})") from None
 
 
+def num_experts(hf: dict) -> int:
+    """Routed experts per MoE layer of an HF config (``num_experts``, or ``num_local_experts`` as
+    transformers 5 writes it); 0 for a dense model."""
+    return int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+
+
 def _req(hf: dict, key: str) -> Any:
     if key not in hf:
         raise ValueError(f"HF config is missing `{key}`")
@@ -152,11 +158,11 @@ def hf_to_megatron(hf: dict) -> MegatronModelArgs:
             raise ValueError(
                 "Qwen3-MoE with dense layers (`mlp_only_layers` / `decoder_sparse_step` != 1) is not supported"
             )
-        num_experts = hf.get("num_experts", hf.get("num_local_experts"))
-        if not num_experts:
+        experts = num_experts(hf)
+        if not experts:
             raise ValueError("HF MoE config is missing `num_experts`")
         tcfg.update(
-            num_moe_experts=int(num_experts),
+            num_moe_experts=experts,
             moe_router_topk=int(_req(hf, "num_experts_per_tok")),
             moe_ffn_hidden_size=int(_req(hf, "moe_intermediate_size")),
             # HF: softmax over all experts, top-k, renormalise iff norm_topk_prob.

