@@ -14,7 +14,7 @@
 # Environment (defaults in brackets):
 #   IMAGE [megatron-alp:gpu]   MODELS_DIR [/models]   DATA_DIR [/data]   GPUS [all]
 #   DOCKER [docker]            DRY_RUN=1 print the docker command instead of running it
-# NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, GPUS_PER_NODE, HF_TOKEN, WANDB_API_KEY and NCCL_*
+# NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, GPUS_PER_NODE, NPROC_PER_NODE, HF_TOKEN, WANDB_API_KEY and NCCL_*
 # are passed into the container when set. Host networking lets NCCL and torchrun reach other nodes.
 set -euo pipefail
 
@@ -37,7 +37,7 @@ for dir in "$MODELS_DIR:/models" "$DATA_DIR:/data"; do
     echo "note: ${dir%%:*} does not exist on this host; not mounting it at ${dir##*:}" >&2
   fi
 done
-for var in NNODES NODE_RANK MASTER_ADDR MASTER_PORT GPUS_PER_NODE HF_TOKEN WANDB_API_KEY $(compgen -e | grep '^NCCL_' || true); do
+for var in NNODES NODE_RANK MASTER_ADDR MASTER_PORT GPUS_PER_NODE NPROC_PER_NODE HF_TOKEN WANDB_API_KEY $(compgen -e | grep '^NCCL_' || true); do
   if [ -n "${!var:-}" ]; then args+=(-e "$var"); fi
 done
 if [ -t 0 ] && [ -t 1 ]; then

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Run `megatron-alp train CONFIG [KEY=VALUE ...]` with torchrun on NNODES nodes x GPUS_PER_NODE GPUs.
+# Run `megatron-alp train CONFIG [KEY=VALUE ...]` with torchrun on NNODES nodes x GPUS_PER_NODE GPUs:
+# one trainer rank per GPU, or, with rollout.placement: separate, one per GPU left after the
+# config's rollout.gpus (the engines' GPUs of every node; the ranks take the first GPUs).
 # Run the same command on every node, changing only NODE_RANK:
 #
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 bash launch/torchrun_multinode.sh configs/qwen2.5-32b_seq_alp.yaml
@@ -8,8 +10,10 @@
 # Environment (defaults in brackets):
 #   NNODES [1]  NODE_RANK [0]  MASTER_ADDR [127.0.0.1]  MASTER_PORT [29500]
 #   GPUS_PER_NODE [number of GPUs nvidia-smi lists]   PYTHON [python]
+#   NPROC_PER_NODE [GPUS_PER_NODE, less len(rollout.gpus) with rollout.placement: separate]: trainer
+#     ranks per node (torchrun --nproc_per_node), read from the config and its KEY=VALUE overrides
 #   DRY_RUN=1   print the command instead of running it
-# The config's parallel layout must divide NNODES * GPUS_PER_NODE (the trainer checks and says so).
+# The config's parallel layout must divide NNODES * NPROC_PER_NODE (the trainer checks and says so).
 # Relative paths in the config (trainer.output_dir, data files) are relative to the current directory.
 set -euo pipefail
 
@@ -32,6 +36,26 @@ for var in NNODES NODE_RANK MASTER_PORT GPUS_PER_NODE; do
   [[ ${!var} =~ ^[0-9]+$ ]] || { echo "error: $var must be a non-negative integer (got '${!var}')" >&2; exit 2; }
 done
 [ "$NNODES" -ge 1 ] && [ "$GPUS_PER_NODE" -ge 1 ] || { echo "error: NNODES and GPUS_PER_NODE must be >= 1" >&2; exit 2; }
+
+if [ -z "${NPROC_PER_NODE:-}" ]; then  # the GPUs that rollout.gpus leaves to the trainer
+  engine_gpus=$("$PYTHON" -c 'import sys
+from megatron_alp.config import ConfigError, load_config
+try:
+    r = load_config(sys.argv[1], [a for a in sys.argv[2:] if "=" in a and not a.startswith("-")]).rollout
+except ConfigError as err:
+    sys.exit(f"error: {err}")
+print(len(r.gpus) if r.placement == "separate" else 0)' "$CONFIG" "$@") \
+    || { echo "error: could not read rollout.placement and rollout.gpus of $CONFIG with $PYTHON (or set NPROC_PER_NODE)" >&2; exit 2; }
+  NPROC_PER_NODE=$((GPUS_PER_NODE - engine_gpus))
+  [ "$NPROC_PER_NODE" -ge 1 ] || {
+    echo "error: rollout.gpus takes $engine_gpus GPUs of each node: GPUS_PER_NODE=$GPUS_PER_NODE leaves none for the trainer" >&2
+    exit 2
+  }
+fi
+[[ $NPROC_PER_NODE =~ ^[0-9]+$ ]] && [ "$NPROC_PER_NODE" -ge 1 ] && [ "$NPROC_PER_NODE" -le "$GPUS_PER_NODE" ] || {
+  echo "error: NPROC_PER_NODE must be a number of trainer ranks from 1 to GPUS_PER_NODE=$GPUS_PER_NODE (got '$NPROC_PER_NODE')" >&2
+  exit 2
+}
 [ "$NODE_RANK" -lt "$NNODES" ] || { echo "error: NODE_RANK=$NODE_RANK must be below NNODES=$NNODES" >&2; exit 2; }
 if [ "$NNODES" -gt 1 ] && [[ $MASTER_ADDR == 127.* || $MASTER_ADDR == localhost ]]; then
   echo "error: with NNODES=$NNODES set MASTER_ADDR to the address of the NODE_RANK=0 node" >&2
@@ -44,11 +68,11 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 export TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-false}
 
 cmd=("$PYTHON" -m torch.distributed.run
-     --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$GPUS_PER_NODE"
+     --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC_PER_NODE"
      --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT"
      -m megatron_alp.cli train "$CONFIG" "$@")
 
-echo "node $NODE_RANK/$NNODES, $GPUS_PER_NODE GPUs, master $MASTER_ADDR:$MASTER_PORT" >&2
+echo "node $NODE_RANK/$NNODES, $GPUS_PER_NODE GPUs ($NPROC_PER_NODE trainer ranks), master $MASTER_ADDR:$MASTER_PORT" >&2
 if [ "${DRY_RUN:-0}" = 1 ]; then
   printf '%q ' "${cmd[@]}"
   echo

@@ -439,7 +439,10 @@ class RolloutConfig(_Section):
         "separate`, else the engine's first supported method (vllm: memory; sglang: folder only).",
     )
     gpu_memory_utilization: float = Field(
-        0.5, gt=0.0, le=1.0, description="Fraction of GPU memory the engine may take (colocated)."
+        0.5, gt=0.0, le=1.0,
+        description="Fraction of the GPU's whole memory the engine claims (weights, workspace, KV cache). "
+        "Colocated: it must be free beside what `offload_*` leave of Megatron's state; with `placement: "
+        "separate` the GPU is the engine's own (0.9, vLLM's default, suits). `megatron-alp plan` checks both.",
     )
     max_model_len: Optional[int] = Field(
         None, ge=1, description="Engine context length (default: max_prompt + max_response)."

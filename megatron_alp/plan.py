@@ -10,6 +10,18 @@ A colocated run alternates two phases on the same GPUs, and either can run out:
   ``gpu_memory_utilization x total`` free when it starts and at every wake-up, so what
   ``rollout.offload_*`` leave of Megatron's state plus that budget must fit.
 
+A run with ``rollout.placement: separate`` keeps the two apart. Its GPU count (``--gpus``) is the
+trainer's world size, the GPUs torchrun starts ranks on: ``nproc_per_node`` per node, on the node's
+first GPUs (default: the GPUs below the first of ``rollout.gpus``); every node adds its
+``rollout.gpus`` for the engines, ``tensor_parallel_size`` each (placement.py's rules). Nothing is
+offloaded and no engine sleeps, so:
+
+- **training** is counted on a trainer GPU, as above but with no engine beside it;
+- **rollout** on an engine GPU: the engine's ``gpu_memory_utilization`` x the whole GPU (its
+  weights, workspace and KV cache; a GPU of its own can give it 0.9) plus one weight-sync bucket
+  of ``rollout.sync_bucket_mb``, which arrives after vLLM has sized its KV cache, outside that
+  budget. The trainer GPUs are taken to be the same kind as the engine GPUs.
+
 Counts, in bytes per GPU. P is this rank's parameters on its pipeline stage: TP splits the
 attention and MLP matrices and the vocabulary, PP the layers (embedding on the first stage, final
 norm and output layer on the last; tied embeddings keep a copy on each), EP the experts and
@@ -98,6 +110,7 @@ from megatron_alp.logprobs import CHUNK_ELEMENTS
 from megatron_alp.models.families import hf_to_megatron, load_hf_config
 from megatron_alp.models.tiny import tiny_hf_config
 from megatron_alp.rollout.base import resolve_max_model_len
+from megatron_alp.rollout.placement import replica_layout
 
 GiB = 1 << 30
 PUBLISHED = Path(__file__).parent / "models" / "published"
@@ -202,7 +215,7 @@ def resolve_architecture(cfg: Config, hf_config: Optional[dict] = None) -> tuple
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    gpus: int
+    gpus: int  # the trainer's ranks, one GPU each
     tp: int
     pp: int
     ep: int
@@ -211,16 +224,39 @@ class Layout:
     distributed_optimizer: bool
     rollout_tp: int
     replicas: int
+    separate_gpus: tuple[int, ...] = ()  # placement: separate: rollout.gpus, the engines' GPUs of every node
+    nodes: int = 1  # placement: separate: nodes of gpus // nodes trainer ranks each
 
     @classmethod
-    def of(cls, cfg: Config, gpus: int) -> "Layout":
-        p = cfg.parallel
+    def of(cls, cfg: Config, gpus: int, nproc_per_node: Optional[int] = None) -> "Layout":
+        """``gpus`` trainer ranks; with ``placement: separate``, ``nproc_per_node`` of them per node
+        (default: the GPUs below the first of ``rollout.gpus``), and the nodes' ``rollout.gpus`` beside."""
+        p, r = cfg.parallel, cfg.rollout
         tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-        replicas = cfg.rollout.replicas
-        if replicas == "auto":
-            replicas = max(1, gpus // cfg.rollout.tensor_parallel_size)
+        replicas, separate, nodes = r.replicas, (), 1
+        if r.placement == "separate":
+            local = nproc_per_node or min([gpus, *r.gpus])
+            if gpus % local:
+                raise ConfigError(f"--gpus {gpus} trainer GPUs are not whole nodes of {local} trainer ranks "
+                                  "(--nproc-per-node; default: the GPUs below the first of rollout.gpus)")
+            if r.gpus and min(r.gpus) < local:
+                raise ConfigError(f"rollout.gpus {r.gpus} overlap GPUs 0-{local - 1}, which the node's {local} "
+                                  "trainer ranks use (placement: separate)")
+            replicas = replica_layout(r, gpus, gpus, gpu=True, local_world=local).replicas
+            separate, nodes = tuple(r.gpus), gpus // local
+        elif replicas == "auto":
+            replicas = max(1, gpus // r.tensor_parallel_size)
         return cls(gpus, tp, pp, p.expert_model_parallel_size, p.expert_tensor_parallel_size or tp,
-                   p.sequence_parallel, p.use_distributed_optimizer, cfg.rollout.tensor_parallel_size, replicas)
+                   p.sequence_parallel, p.use_distributed_optimizer, r.tensor_parallel_size, replicas, separate, nodes)
+
+    @property
+    def separate(self) -> bool:
+        return bool(self.separate_gpus)
+
+    @property
+    def engine_gpu_count(self) -> int:
+        """GPUs of the job that only the engines use (placement: separate), besides the trainer's."""
+        return self.nodes * len(self.separate_gpus)
 
     @property
     def replica_stride(self) -> int:
@@ -228,6 +264,8 @@ class Layout:
 
     def stages_with_engine(self) -> list[int]:
         """Pipeline stages (Megatron orders ranks with PP outermost) that have a GPU holding an engine."""
+        if self.separate:
+            return []
         per_stage = self.gpus // self.pp
         return [s for s in range(self.pp)
                 if any(g % self.replica_stride < self.rollout_tp for g in range(s * per_stage, (s + 1) * per_stage))]
@@ -262,10 +300,10 @@ class Layout:
              f"parallel.expert_tensor_parallel_size={self.etp} does not divide the experts' FFN ({arch.expert_ffn})"),
             (not arch.experts or self.tp == 1 or self.sp,
              "parallel.sequence_parallel must be true for a mixture-of-experts model with TP > 1"),
-            (self.rollout_tp <= self.gpus and arch.heads % self.rollout_tp == 0,
+            (arch.heads % self.rollout_tp == 0 and (self.separate or self.rollout_tp <= self.gpus),
              f"rollout.tensor_parallel_size={self.rollout_tp} must divide the model's {arch.heads} heads "
-             f"and fit in --gpus {self.gpus}"),
-            (self.gpus % self.replicas == 0 and self.replica_stride >= self.rollout_tp,
+             + ("" if self.separate else f"and fit in --gpus {self.gpus}")),
+            (self.separate or (self.gpus % self.replicas == 0 and self.replica_stride >= self.rollout_tp),
              f"rollout.replicas={self.replicas} must divide --gpus {self.gpus} into blocks of at least "
              f"rollout.tensor_parallel_size={self.rollout_tp} GPUs"),
         ]
@@ -279,6 +317,10 @@ class Layout:
             parts.append(f"EP{self.ep} (expert TP{self.etp}, expert-DP{self.expert_dp})")
         parts.append(f"DP{self.dp}")
         opt = "distributed optimizer" if self.distributed_optimizer else "replicated optimizer"
+        if self.separate:
+            return (f"{' x '.join(parts)}, {opt}; {self.nodes} node{'s, each' if self.nodes > 1 else ''} with "
+                    f"trainer ranks on GPUs 0-{self.gpus // self.nodes - 1} and rollout engines TP{self.rollout_tp} "
+                    f"on rollout.gpus {list(self.separate_gpus)} ({self.replicas} replicas in all)")
         return f"{' x '.join(parts)}, {opt}; rollout engine TP{self.rollout_tp} on {self.engine_gpus}"
 
     @property
@@ -292,12 +334,15 @@ class Layout:
 
 
 def default_gpus(cfg: Config) -> int:
-    """The fewest GPUs the config's layout runs on (not its stated hardware: pass --gpus for that)."""
-    p = cfg.parallel
+    """The fewest GPUs the config's layout runs on (not its stated hardware: pass --gpus for that);
+    with ``placement: separate`` the fewest trainer GPUs, enough to lead one node's engine replicas."""
+    p, r = cfg.parallel, cfg.rollout
     etp = p.expert_tensor_parallel_size or p.tensor_model_parallel_size
     unit = math.lcm(p.tensor_model_parallel_size * p.pipeline_model_parallel_size,
                     etp * p.expert_model_parallel_size * p.pipeline_model_parallel_size)
-    return unit * math.ceil(cfg.rollout.tensor_parallel_size / unit)
+    if r.placement == "separate":
+        return math.lcm(unit, max(1, len(r.gpus) // r.tensor_parallel_size))
+    return unit * math.ceil(r.tensor_parallel_size / unit)
 
 
 # ---------------------------------------------------------------------------------- the plan
@@ -334,7 +379,7 @@ class Phase:
 class MemoryPlan:
     source: str  # where the architecture came from
     layout: str
-    gpus: int
+    gpus: int  # the trainer's
     gpu_mem_bytes: int
     phases: tuple[Phase, ...]
     offloaded_bytes: int  # host memory per GPU for the state offloaded during rollout
@@ -343,6 +388,13 @@ class MemoryPlan:
     failing: tuple[str, ...]  # which checks failed: training, rollout, kv_cache
     engine_minimum: int  # engine weights + workspace + the KV cache of one full-length sequence
     advice: tuple[str, ...] = ()
+    engine_gpus: int = 0  # placement: separate: the engines' own GPUs, besides the trainer's
+
+    @property
+    def hardware(self) -> str:
+        if not self.engine_gpus:
+            return _gpus(self.gpus)
+        return f"{_gpus(self.gpus).replace('GPU', 'trainer GPU')} + {_gpus(self.engine_gpus).replace('GPU', 'engine GPU')}"
 
     @property
     def usable(self) -> int:
@@ -369,7 +421,7 @@ class MemoryPlan:
             rows.append(("", "total", _gib(ph.total), ""))
         widths = [max(len(r[c]) for r in rows) for c in range(3)]
         lines = [f"model   {self.source}",
-                 f"layout  {_gpus(self.gpus)} x {self.gpu_mem_bytes / GiB:g} GiB: {self.layout}", ""]
+                 f"layout  {self.hardware} x {self.gpu_mem_bytes / GiB:g} GiB: {self.layout}", ""]
         for r in rows:
             lines.append(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]}".rstrip())
         verdict = "FITS" if self.fits else "DOES NOT FIT"
@@ -382,7 +434,7 @@ class MemoryPlan:
 
     def refusal(self) -> str:
         """Why the plan does not fit and which keys would change that (each change planned alone)."""
-        lines = [f"the memory plan does not fit {_gpus(self.gpus)} of {self.gpu_mem_bytes / GiB:g} GiB:"]
+        lines = [f"the memory plan does not fit {self.hardware} of {self.gpu_mem_bytes / GiB:g} GiB:"]
         lines += [f"  - {p}" for p in self.problems]
         if self.advice:
             lines.append("to make it fit:")
@@ -595,6 +647,24 @@ def _rollout(cfg: Config, arch: Architecture, lay: Layout, gpu_mem_gib: float, e
     return Phase("rollout", "rollout (engine awake)", f"engine {lay.engine_gpus}", tuple(items))
 
 
+def _separate_rollout(cfg: Config, arch: Architecture, lay: Layout, gpu_mem_gib: float, engine_weights: int,
+                      kv_cache: int) -> Phase:
+    """An engine GPU of ``placement: separate``: the engine's budget, and a weight-sync bucket that
+    arrives after vLLM has sized its KV cache (outside the budget). No trainer process is on it."""
+    r = cfg.rollout
+    weight_bytes = 1 if r.quantization != "none" else _engine_bytes(cfg, arch)
+    items = (
+        Item("engine_weights", "engine weights", engine_weights,
+             f"{_count(arch.total_params)} x {weight_bytes} B / engine TP{lay.rollout_tp}"),
+        Item("engine_workspace", "engine activations, CUDA graphs", ENGINE_WORKSPACE_BYTES, "fixed allowance"),
+        Item("kv_cache", "KV cache", max(kv_cache, 0),
+             f"rest of rollout.gpu_memory_utilization {r.gpu_memory_utilization} x {gpu_mem_gib:g} GiB"),
+        Item("sync_bucket", "weight-sync bucket", r.sync_bucket_mb << 20,
+             "rollout.sync_bucket_mb, outside the engine's budget"),
+    )
+    return Phase("rollout", "rollout (engine on a GPU of its own)", "an engine GPU", items)
+
+
 def _engine_bytes(cfg: Config, arch: Architecture) -> int:
     """Bytes per element of the engine's weights and KV cache before quantization (`auto`: the
     checkpoint's)."""
@@ -602,9 +672,10 @@ def _engine_bytes(cfg: Config, arch: Architecture) -> int:
     return DTYPE_BYTES.get(dtype, 2)
 
 
-def _plan(cfg: Config, gpus: int, gpu_mem_gib: float, hf: dict, source: str) -> MemoryPlan:
+def _plan(cfg: Config, gpus: int, gpu_mem_gib: float, hf: dict, source: str,
+          nproc_per_node: Optional[int] = None) -> MemoryPlan:
     arch = Architecture.from_hf(hf)
-    lay = Layout.of(cfg, gpus)
+    lay = Layout.of(cfg, gpus, nproc_per_node)
     lay.check(arch)
     t, r = cfg.trainer, cfg.rollout
     responses = t.prompts_per_iteration * r.sampling.n
@@ -625,14 +696,19 @@ def _plan(cfg: Config, gpus: int, gpu_mem_gib: float, hf: dict, source: str) -> 
                     * (1 if r.kv_cache_dtype == "fp8" else engine_bytes))
     one_sequence = kv_per_token * seq
     training = _training(cfg, arch, lay, seq, budget)
-    rollout = _rollout(cfg, arch, lay, gpu_mem_gib, engine_weights, kv_cache)
+    rollout = (_separate_rollout if lay.separate else _rollout)(cfg, arch, lay, gpu_mem_gib, engine_weights, kv_cache)
 
     problems, failing = [], []
     if training.total > usable:
         failing.append("training")
         problems.append(f"{training.title} needs {_gib(training.total)} GiB on {training.where}, "
                         f"over the {_gib(usable)} GiB usable")
-    if rollout.total > usable:
+    if rollout.total > usable and lay.separate:
+        failing.append("rollout")
+        problems.append(f"{rollout.title}: the engine's budget rollout.gpu_memory_utilization {r.gpu_memory_utilization} "
+                        f"x {gpu_mem_gib:g} GiB plus the weight-sync bucket (rollout.sync_bucket_mb) make "
+                        f"{_gib(rollout.total)} GiB, over the {_gib(usable)} GiB usable")
+    elif rollout.total > usable:
         failing.append("rollout")
         engine = max(budget, engine_weights + ENGINE_WORKSPACE_BYTES)
         problems.append(f"{rollout.title}: what stays of Megatron on {rollout.where} "
@@ -644,8 +720,8 @@ def _plan(cfg: Config, gpus: int, gpu_mem_gib: float, hf: dict, source: str) -> 
         problems.append(f"the engine's KV cache ({_gib(max(kv_cache, 0))} GiB after weights and workspace) cannot "
                         f"hold one sequence of {seq} tokens ({_gib(one_sequence)} GiB): vLLM refuses to start")
     kept = set(rollout.resident)
-    offloaded = sum(i.nbytes for i in _megatron_state(cfg, lay, *_stage_params(arch, lay)[0])
-                    if i.key not in kept and i.key != "grads")  # gradients are dropped, not copied
+    offloaded = 0 if lay.separate else sum(i.nbytes for i in _megatron_state(cfg, lay, *_stage_params(arch, lay)[0])
+                                           if i.key not in kept and i.key != "grads")  # gradients are dropped
     micro_batch = MicroBatchShape.of(cfg, seq, t.max_tokens_per_micro_batch).describe
     if _logprob_budget(cfg):
         micro_batch += f"; old/reference logprob passes {_logprob_budget(cfg)} tokens (forward only)"
@@ -653,10 +729,13 @@ def _plan(cfg: Config, gpus: int, gpu_mem_gib: float, hf: dict, source: str) -> 
         f"sequence {seq} tokens (the engine context); micro-batch {micro_batch}",
         f"rollout: {kv_per_token / 1024:.1f} KiB of KV cache per token: {max(kv_cache, 0) // one_sequence} "
         f"full-length sequences at once (an iteration samples {responses}; the engine queues the rest)",
+        "nothing offloaded: Megatron's state stays on the trainer GPUs, each engine keeps its own GPU "
+        "(rollout.placement: separate)" if lay.separate else
         f"host memory for the offloaded state: {_gib(offloaded)} GiB per GPU",
     )
     return MemoryPlan(source, lay.describe(bool(arch.experts)), gpus, total, (training, rollout), offloaded,
-                      notes, tuple(problems), tuple(failing), engine_weights + ENGINE_WORKSPACE_BYTES + one_sequence)
+                      notes, tuple(problems), tuple(failing), engine_weights + ENGINE_WORKSPACE_BYTES + one_sequence,
+                      engine_gpus=lay.engine_gpu_count)
 
 
 def _changes(cfg: Config, gpus: int, plan: MemoryPlan) -> list[tuple[list[str], int]]:
@@ -690,16 +769,19 @@ def _changes(cfg: Config, gpus: int, plan: MemoryPlan) -> list[tuple[list[str], 
         out.append(([f"parallel.pipeline_model_parallel_size={2 * p.pipeline_model_parallel_size}"], gpus))
         if p.expert_model_parallel_size > 1:
             out.append(([f"parallel.expert_model_parallel_size={2 * p.expert_model_parallel_size}"], gpus))
-        if not r.free_memory_during_training:
+        if not r.free_memory_during_training and r.placement == "colocated":
             out.append((["rollout.free_memory_during_training=true"], gpus))
         out.append(([], 2 * gpus))
     if "rollout" in plan.failing:
-        out += [([f"rollout.offload_{k}=true"], gpus) for k in ("weights", "grads", "optimizer")
-                if not getattr(r, f"offload_{k}")]
+        if r.placement == "colocated":
+            out += [([f"rollout.offload_{k}=true"], gpus) for k in ("weights", "grads", "optimizer")
+                    if not getattr(r, f"offload_{k}")]
         budget = int(r.gpu_memory_utilization * plan.gpu_mem_bytes)
         util_max = math.floor(100 * (plan.usable - plan.phase("rollout").total + budget) / plan.gpu_mem_bytes) / 100
         if util_min <= util_max < r.gpu_memory_utilization:
             out.append(([f"rollout.gpu_memory_utilization={util_max}"], gpus))
+        if r.placement == "separate" and r.sync_bucket_mb > 1:
+            out.append(([f"rollout.sync_bucket_mb={r.sync_bucket_mb // 2}"], gpus))
     if "kv_cache" in plan.failing:
         if util_min <= 1:
             out.append(([f"rollout.gpu_memory_utilization={util_min}"], gpus))
@@ -712,16 +794,17 @@ def _changes(cfg: Config, gpus: int, plan: MemoryPlan) -> list[tuple[list[str], 
 
 
 def _try(cfg: Config, overrides: list[str], gpus: int, gpu_mem_gib: float, hf: dict,
-         source: str) -> Optional[MemoryPlan]:
+         source: str, nproc_per_node: Optional[int] = None) -> Optional[MemoryPlan]:
     """The plan of ``cfg`` changed by ``overrides`` on ``gpus`` GPUs; None for a layout that cannot run."""
     try:
         changed = config_from_dict(apply_overrides(cfg.model_dump(mode="json"), overrides))
-        return _plan(changed, gpus, gpu_mem_gib, hf, source)
+        return _plan(changed, gpus, gpu_mem_gib, hf, source, nproc_per_node)
     except ConfigError:
         return None
 
 
-def _smallest_layout(cfg: Config, gpus: int, gpu_mem_gib: float, hf: dict, source: str) -> Optional[str]:
+def _smallest_layout(cfg: Config, gpus: int, gpu_mem_gib: float, hf: dict, source: str,
+                     nproc_per_node: Optional[int] = None) -> Optional[str]:
     """The fewest GPUs (doubling from ``gpus``) on which some TP x PP (and rollout TP) fits, with the
     least model parallelism there, as the arguments that select it."""
     p, rtp = cfg.parallel, cfg.rollout.tensor_parallel_size
@@ -734,7 +817,7 @@ def _smallest_layout(cfg: Config, gpus: int, gpu_mem_gib: float, hf: dict, sourc
             overrides = [f"parallel.tensor_model_parallel_size={tp}", f"parallel.pipeline_model_parallel_size={pp}",
                          f"parallel.sequence_parallel={str(tp > 1).lower()}",
                          f"rollout.tensor_parallel_size={engine_tp}"]
-            alt = _try(cfg, overrides, n, gpu_mem_gib, hf, source)
+            alt = _try(cfg, overrides, n, gpu_mem_gib, hf, source, nproc_per_node)
             if alt is not None and alt.fits:
                 rank = (tp * pp, engine_tp, alt.peak)
                 if best is None or rank < best[0]:
@@ -749,46 +832,53 @@ def _smallest_layout(cfg: Config, gpus: int, gpu_mem_gib: float, hf: dict, sourc
     return None
 
 
-def _advice(cfg: Config, gpus: int, gpu_mem_gib: float, hf: dict, source: str, plan: MemoryPlan) -> tuple[str, ...]:
+def _advice(cfg: Config, gpus: int, gpu_mem_gib: float, hf: dict, source: str, plan: MemoryPlan,
+            nproc_per_node: Optional[int] = None) -> tuple[str, ...]:
     lines = []
     for overrides, n in _changes(cfg, gpus, plan):
-        alt = _try(cfg, overrides, n, gpu_mem_gib, hf, source)
+        alt = _try(cfg, overrides, n, gpu_mem_gib, hf, source, nproc_per_node)
         if alt is not None and alt.fits:
             what = " ".join(overrides + ([f"--gpus {n}"] if n != gpus else []))
             lines.append(f"{what}  (fits: training {_gib(alt.phase('training').total)} GiB, "
                          f"rollout {_gib(alt.phase('rollout').total)} GiB)")
     if lines:
         return tuple(lines)
-    found = _smallest_layout(cfg, gpus, gpu_mem_gib, hf, source)
+    found = _smallest_layout(cfg, gpus, gpu_mem_gib, hf, source, nproc_per_node)
     if found is None:
         return (f"no single change fits, and no layout of up to {MAX_SEARCH_GPUS} GPUs does (varying "
                 "parallel.tensor_model_parallel_size, pipeline_model_parallel_size, rollout.tensor_parallel_size)",)
     return (f"no single change fits; the smallest layout that does: {found}",)
 
 
-def memory_plan(cfg: Config, gpus: int, gpu_mem_gib: float, hf_config: Optional[dict] = None) -> MemoryPlan:
-    """The per-GPU memory of each phase of ``cfg`` on ``gpus`` GPUs of ``gpu_mem_gib`` GiB; a plan
-    that does not fit carries advice: single config changes, each planned, that would help."""
-    if gpus < 1 or gpu_mem_gib <= 0:
-        raise ConfigError(f"--gpus must be >= 1 and --gpu-mem > 0 (got {gpus}, {gpu_mem_gib})")
+def memory_plan(cfg: Config, gpus: int, gpu_mem_gib: float, hf_config: Optional[dict] = None,
+                nproc_per_node: Optional[int] = None) -> MemoryPlan:
+    """The per-GPU memory of each phase of ``cfg`` on ``gpus`` GPUs of ``gpu_mem_gib`` GiB (with
+    ``rollout.placement: separate``: ``gpus`` trainer GPUs, ``nproc_per_node`` per node, and the
+    nodes' ``rollout.gpus``); a plan that does not fit carries advice: single config changes, each
+    planned, that would help."""
+    if gpus < 1 or gpu_mem_gib <= 0 or (nproc_per_node is not None and nproc_per_node < 1):
+        raise ConfigError(f"--gpus and --nproc-per-node must be >= 1 and --gpu-mem > 0 (got {gpus}, "
+                          f"{nproc_per_node}, {gpu_mem_gib})")
     try:
         hf, source = resolve_architecture(cfg, hf_config)
-        plan = _plan(cfg, gpus, gpu_mem_gib, hf, source)
+        plan = _plan(cfg, gpus, gpu_mem_gib, hf, source, nproc_per_node)
     except ConfigError:
         raise
     except ValueError as err:  # an unreadable config.json, or an architecture hf_to_megatron refuses
         raise ConfigError(f"model ({cfg.model.hf_path or cfg.model.tiny}): {err}") from None
     if plan.fits:
         return plan
-    return dataclasses.replace(plan, advice=_advice(cfg, gpus, gpu_mem_gib, hf, source, plan))
+    return dataclasses.replace(plan, advice=_advice(cfg, gpus, gpu_mem_gib, hf, source, plan, nproc_per_node))
 
 
-def check_fits(cfg: Config, gpus: int, gpu_mem_gib: float, hf_config: Optional[dict] = None) -> MemoryPlan:
+def check_fits(cfg: Config, gpus: int, gpu_mem_gib: float, hf_config: Optional[dict] = None,
+               nproc_per_node: Optional[int] = None) -> MemoryPlan:
     """The trainer's start-up check on GPUs: the plan, or a ConfigError naming the keys to change."""
-    plan = memory_plan(cfg, gpus, gpu_mem_gib, hf_config)
+    plan = memory_plan(cfg, gpus, gpu_mem_gib, hf_config, nproc_per_node)
     if not plan.fits:
-        raise ConfigError(plan.refusal() + f"\n(`megatron-alp plan CONFIG --gpus {gpus} --gpu-mem {gpu_mem_gib:g}` "
-                          "prints the per-phase table; docs/memory_plan.md explains it)")
+        per_node = f" --nproc-per-node {nproc_per_node}" if nproc_per_node else ""
+        raise ConfigError(plan.refusal() + f"\n(`megatron-alp plan CONFIG --gpus {gpus}{per_node} --gpu-mem "
+                          f"{gpu_mem_gib:g}` prints the per-phase table; docs/memory_plan.md explains it)")
     return plan
 
 
@@ -799,7 +889,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="YAML config file (see docs/configuration.md)")
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE overrides, e.g. trainer.micro_batch_size=2")
     parser.add_argument("--gpus", type=int, default=None,
-                        help="GPUs of the job (default: the fewest the config's parallel layout runs on)")
+                        help="GPUs of the job; with rollout.placement: separate the trainer's GPUs (its world "
+                        "size), the engines' rollout.gpus of each node come on top (default: the fewest the "
+                        "config's parallel layout runs on)")
+    parser.add_argument("--nproc-per-node", type=int, default=None,
+                        help="rollout.placement: separate: trainer ranks per node (torchrun --nproc_per_node; "
+                        "default: the GPUs below the first of rollout.gpus, at most --gpus)")
     parser.add_argument("--gpu-mem", type=float, default=DEFAULT_GPU_MEM_GIB,
                         help=f"memory of one GPU in GiB (default {DEFAULT_GPU_MEM_GIB:g}: H100 80GB)")
 
@@ -807,7 +902,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     gpus = args.gpus if args.gpus is not None else default_gpus(cfg)
-    plan = memory_plan(cfg, gpus, args.gpu_mem)
+    plan = memory_plan(cfg, gpus, args.gpu_mem, nproc_per_node=args.nproc_per_node)
     print(plan.report(), flush=True)
     if not plan.fits:
         raise ConfigError(plan.refusal())

@@ -133,7 +133,8 @@ class RLTrainer:
         if has_gpu():
             from megatron_alp.plan import check_fits
 
-            check_fits(cfg, dist.get_world_size(), torch.cuda.get_device_properties(0).total_memory / 2**30)
+            check_fits(cfg, dist.get_world_size(), torch.cuda.get_device_properties(0).total_memory / 2**30,
+                       nproc_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
         # TIR: code runs on rank 0 only and its output is broadcast, so every rank's episodes agree; the
         # sandbox starts first so that a machine without full isolation refuses before any model loads
         self.executor = SandboxExecutor(cfg.tir.sandbox) if cfg.tir.enabled and self.rank == 0 else None

@@ -75,12 +75,17 @@ def test_paper_settings(path):
 
 @pytest.mark.parametrize("path", PAPER, ids=lambda p: p.name)
 def test_parallel_layout_fits_nodes_and_model(path):
-    """The layout divides the GPUs named in the header, the model's heads and layers, and the batch."""
+    """The layout divides the GPUs named in the header (the trainer's, with separate engines), the
+    model's heads and layers, and the batch."""
     cfg = load_config(path)
     header = path.read_text().split("\n\n")[0]
     m = re.search(r"Hardware: (\d+) nodes? x (\d+) H100", header)
     assert m, f"{path.name}: header must name its hardware ('Hardware: N node(s) x 8 H100')"
-    world = int(m.group(1)) * int(m.group(2))
+    per_node = int(m.group(2))
+    engine_gpus = cfg.rollout.gpus if cfg.rollout.placement == "separate" else []
+    assert all(g < per_node for g in engine_gpus), "rollout.gpus are GPUs of the node"
+    world = int(m.group(1)) * (per_node - len(engine_gpus))  # the trainer's ranks: the GPUs the engines leave
+    assert min(engine_gpus, default=per_node) >= per_node - len(engine_gpus), "trainer ranks take the first GPUs"
     layers, heads, kv_heads = MODELS[Path(cfg.model.hf_path).name]
     p = cfg.parallel
     tp, pp, ep = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size

@@ -9,11 +9,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _sh(script, *args, env=None, cwd=None):
+    """Run a launch script; its Python (which reads the config) is this test's, on this checkout."""
     import os
     import subprocess
+    import sys
 
-    full_env = {k: v for k, v in os.environ.items() if k not in ("NNODES", "NODE_RANK", "MASTER_ADDR")}
-    full_env.update(env or {})
+    full_env = {k: v for k, v in os.environ.items() if k not in ("NNODES", "NODE_RANK", "MASTER_ADDR", "NPROC_PER_NODE")}
+    full_env.update({"PYTHON": sys.executable, "PYTHONPATH": str(ROOT)}, **(env or {}))
     return subprocess.run(["bash", str(ROOT / "launch" / script), *args], capture_output=True, text=True,
                           env=full_env, cwd=cwd or ROOT, timeout=60)
 
@@ -36,6 +38,30 @@ def test_torchrun_multinode_command():
     for flag, value in [("--nnodes", "2"), ("--node_rank", "1"), ("--nproc_per_node", "8"), ("--master_addr", "node0")]:
         assert cmd[cmd.index(flag) + 1] == value
     assert cmd[cmd.index("-m", cmd.index("--master_port")) + 1:] == ["megatron_alp.cli", "train", cfg, "trainer.iterations=3"]
+
+
+def test_torchrun_multinode_leaves_the_engine_gpus_to_the_engines():
+    """With rollout.placement: separate the node's rollout.gpus run the engines: torchrun starts a
+    trainer rank on each other GPU, read from the config and its overrides; NPROC_PER_NODE overrides."""
+    cfg = "configs/qwen2.5-math-1.5b_token_alp_async.yaml"  # rollout.gpus: [4, 5, 6, 7]
+
+    def nproc(*args, **env):
+        res = _sh("torchrun_multinode.sh", cfg, *args, env={"DRY_RUN": "1", "GPUS_PER_NODE": "8", **env})
+        assert res.returncode == 0, res.stderr
+        cmd = res.stdout.split()
+        return int(cmd[cmd.index("--nproc_per_node") + 1]), cmd
+
+    ranks, cmd = nproc("trainer.iterations=3")
+    assert ranks == 4 and cmd[-2:] == [cfg, "trainer.iterations=3"]
+    assert nproc("rollout.gpus=[6,7]")[0] == 6
+    assert nproc("rollout.placement=colocated", "rollout.gpus=[]", "trainer.max_staleness=0")[0] == 8
+    assert nproc(NPROC_PER_NODE="2")[0] == 2
+    res = _sh("torchrun_multinode.sh", cfg, env={"DRY_RUN": "1", "GPUS_PER_NODE": "4"})
+    assert res.returncode == 2 and "GPUS_PER_NODE=4 leaves none for the trainer" in res.stderr
+    res = _sh("torchrun_multinode.sh", cfg, env={"DRY_RUN": "1", "GPUS_PER_NODE": "8", "NPROC_PER_NODE": "9"})
+    assert res.returncode == 2 and "NPROC_PER_NODE must be" in res.stderr
+    res = _sh("torchrun_multinode.sh", cfg, "rollout.gpus=[6,6]", env={"DRY_RUN": "1", "GPUS_PER_NODE": "8"})
+    assert res.returncode == 2 and "rollout: gpus [6, 6] must be distinct" in res.stderr
 
 
 @pytest.mark.parametrize("env,message", [

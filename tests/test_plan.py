@@ -5,6 +5,7 @@ fitting their stated hardware, and refusals that name the keys to change."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -27,6 +28,14 @@ def config(name: str, *overrides: str):
 
 def items(phase) -> dict[str, int]:
     return {i.key: i.nbytes for i in phase.items}
+
+
+def stated_gpus(path: Path) -> int:
+    """The ``--gpus`` of a shipped config's stated hardware: every GPU of its nodes, or with
+    ``rollout.placement: separate`` those its ``rollout.gpus`` leave to the trainer."""
+    nodes, per_node = map(int, re.search(r"Hardware: (\d+) nodes? x (\d+) H100", path.read_text()).groups())
+    r = load_config(path).rollout
+    return nodes * (per_node - (len(r.gpus) if r.placement == "separate" else 0))
 
 
 def test_qwen25_math_15b_on_one_node_by_hand():
@@ -280,8 +289,7 @@ def test_forward_only_logprob_passes_count_when_their_budget_makes_them_fuller()
 
 @pytest.mark.parametrize("path", GPU_CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_gpu_config_fits_its_stated_hardware(path):
-    nodes, per_node = map(int, re.search(r"Hardware: (\d+) nodes? x (\d+) H100", path.read_text()).groups())
-    plan = check_fits(load_config(path), nodes * per_node, H100)
+    plan = check_fits(load_config(path), stated_gpus(path), H100)
     assert plan.fits and plan.peak <= 0.95 * H100 * GiB
 
 
@@ -359,15 +367,92 @@ def test_default_gpus_is_the_smallest_layout():
     names = ("qwen2.5-math-1.5b_grpo.yaml", "qwen3-4b_seq_alp.yaml", "qwen2.5-32b_seq_alp.yaml",
              "qwen3-30b-a3b_seq_alp.yaml")
     assert [default_gpus(config(f)) for f in names] == [1, 2, 8, 8]  # TP1; TP2; TP4 x PP2; EP8
+    # separate engines: trainer ranks enough to lead one node's replicas (4 of TP1, 2 of TP2)
+    assert default_gpus(config(ASYNC)) == 4
+    assert default_gpus(config(ASYNC, "rollout.tensor_parallel_size=2")) == 2
+
+
+ASYNC = "qwen2.5-math-1.5b_token_alp_async.yaml"  # placement: separate, rollout.gpus [4, 5, 6, 7], utilization 0.9
+PARAMS_15B = 1_543_714_304  # Qwen2.5-Math-1.5B (test_qwen25_math_15b_on_one_node_by_hand)
+
+
+def test_separate_engines_by_hand():
+    """--gpus counts the trainer's GPUs. A trainer GPU holds Megatron's whole state and no engine;
+    an engine GPU holds the engine's gpu_memory_utilization x the GPU and a weight-sync bucket,
+    no Megatron state and no trainer process; nothing is offloaded."""
+    plan = memory_plan(config(ASYNC), gpus=4, gpu_mem_gib=H100)
+    colocated = memory_plan(config("qwen2.5-math-1.5b_token_alp.yaml"), gpus=8, gpu_mem_gib=H100)
+    train, before = items(plan.phase("training")), items(colocated.phase("training"))
+    assert "engine" not in train and before["engine"] == 1 * GiB  # no sleeping engine on a trainer GPU
+    assert train["optimizer"] == 12 * -(-PARAMS_15B // 4)  # DP4: 4 trainer ranks
+    assert {k: v for k, v in train.items() if k != "optimizer"} == {
+        k: v for k, v in before.items() if k not in ("optimizer", "engine")}
+
+    engine_weights = PARAMS_15B * 2
+    assert items(plan.phase("rollout")) == {
+        "engine_weights": engine_weights, "engine_workspace": 3 * GiB,
+        "kv_cache": int(0.9 * 80 * GiB) - engine_weights - 3 * GiB,
+        "sync_bucket": 512 * 2**20,  # rollout.sync_bucket_mb's default
+    }
+    assert plan.phase("rollout").total == int(0.9 * 80 * GiB) + 512 * 2**20
+    assert plan.offloaded_bytes == 0 and plan.engine_gpus == 4 and plan.fits
+    report = plan.report()
+    assert "layout  4 trainer GPUs + 4 engine GPUs x 80 GiB" in report and "4 replicas in all" in report
+    assert "nothing offloaded" in report and "host memory" not in report
+    kv_per_token = 2 * 28 * 2 * 128 * 2
+    assert f"{(int(0.9 * 80 * GiB) - engine_weights - 3 * GiB) // (kv_per_token * 4096)} full-length" in report
+
+    # two nodes of 4 trainer ranks: DP8, 8 engine GPUs
+    two = memory_plan(config(ASYNC), gpus=8, gpu_mem_gib=H100)
+    assert two.engine_gpus == 8 and items(two.phase("training"))["optimizer"] == 12 * -(-PARAMS_15B // 8)
+    assert "2 nodes, each with trainer ranks on GPUs 0-3" in two.layout and "8 replicas in all" in two.layout
+    # FP8 engine: 1 byte per linear-layer weight, the (tied) embedding stays bf16; engine TP2 halves it
+    embedding = 151936 * 1536
+    fp8 = memory_plan(config(ASYNC, "rollout.quantization=fp8", "rollout.tensor_parallel_size=2"), 4, H100)
+    assert items(fp8.phase("rollout"))["engine_weights"] == ((PARAMS_15B - embedding) * 1 + embedding * 2) // 2
+    assert "2 replicas in all" in fp8.layout
+
+
+def test_separate_engines_refusals_name_the_keys(capsys):
+    """An engine GPU over its usable memory, a KV cache that cannot hold a sequence, and layouts the
+    placement cannot run are refused, naming the keys; advice never offers offloading (nothing is
+    offloaded with separate engines)."""
+    full = memory_plan(config(ASYNC, "rollout.gpu_memory_utilization=0.95"), 4, H100)  # 76 GiB + the bucket
+    assert full.failing == ("rollout",)
+    assert "rollout.gpu_memory_utilization 0.95" in full.problems[0] and "rollout.sync_bucket_mb" in full.problems[0]
+    assert any(a.startswith("rollout.gpu_memory_utilization=0.94  (fits") for a in full.advice)
+    assert not any("offload" in a for a in full.advice)
+
+    starved = memory_plan(config(ASYNC, "rollout.gpu_memory_utilization=0.05"), 4, H100)  # 4 GiB: weights + workspace
+    assert starved.failing == ("kv_cache",) and "vLLM refuses to start" in starved.problems[0]
+    one_sequence = 2 * 28 * 2 * 128 * 2 * 4096  # KV cache of one 4096-token sequence
+    least = (PARAMS_15B * 2 + 3 * GiB + one_sequence) / (80 * GiB)  # weights, workspace, one sequence: 0.075
+    assert any(a.startswith(f"rollout.gpu_memory_utilization={math.ceil(100 * least) / 100}  (fits")
+               for a in starved.advice)
+
+    with pytest.raises(ConfigError, match=r"--gpus 6 trainer GPUs are not whole nodes of 4 trainer ranks"):
+        memory_plan(config(ASYNC), 6, H100)
+    with pytest.raises(ConfigError, match=r"rollout.gpus \[2, 3, 4, 5\] overlap GPUs 0-3"):
+        memory_plan(config(ASYNC, "rollout.gpus=[2,3,4,5]"), 8, H100, nproc_per_node=4)
+    with pytest.raises(ConfigError, match=r"rollout.gpus holds 4 replica\(s\) .* the node's 2 trainer ranks"):
+        memory_plan(config(ASYNC), 2, H100)
+    with pytest.raises(ConfigError, match=r"rollout.placement: separate on GPUs needs rollout.gpus"):
+        memory_plan(config(ASYNC, "rollout.gpus=[]"), 4, H100)
+
+    code = main(["plan", f"configs/{ASYNC}", "rollout.gpu_memory_utilization=0.95", "--gpus", "8",
+                 "--nproc-per-node", "4"])
+    out, err = capsys.readouterr()
+    assert code == 2 and "8 trainer GPUs + 8 engine GPUs x 80 GiB" in out
+    assert err.startswith("megatron-alp plan: error: the memory plan does not fit 8 trainer GPUs + 8 engine GPUs")
 
 
 @pytest.mark.parametrize("path", GPU_CONFIGS, ids=lambda p: p.name)
 def test_docs_show_the_current_plan(path):
     """docs/memory_plan.md's summary row of each shipped config matches what the planner says now."""
-    nodes, per_node = map(int, re.search(r"Hardware: (\d+) nodes? x (\d+) H100", path.read_text()).groups())
-    plan = memory_plan(load_config(path), nodes * per_node, H100)
+    gpus = stated_gpus(path)
+    plan = memory_plan(load_config(path), gpus, H100)
     row = next(line for line in (ROOT / "docs" / "memory_plan.md").read_text().splitlines()
                if line.startswith(f"| `{path.stem}` |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[1].endswith(f"(`--gpus {nodes * per_node}`)")
+    assert cells[1].endswith(f"(`--gpus {gpus}`)")
     assert cells[3:] == [f"{plan.phase('training').total / GiB:.2f}", f"{plan.phase('rollout').total / GiB:.2f}", "fits"]
