@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from compare_methods import summarize  # noqa: E402  (benchmarks/ is not a package)
+from compare_methods import print_side_by_side, summarize  # noqa: E402  (benchmarks/ is not a package)
 
 
 def train(run_dir: Path, base: Path | None, loss: str, overrides: list[str], args) -> list[dict]:
@@ -88,17 +88,8 @@ def main() -> int:
         print(f"{name:<22}{per_iteration(rows):>12.2f}{max(r['staleness/max'] for r in rows):>15.0f}{wait:>16.2f}")
     print(f"async / sync seconds per iteration ({first}): {a / s:.2f}x (target <= 0.7)")
 
-    results = {loss: summarize(runs[f"async:{loss}"]) for loss in args.losses}
-    print(f"\nunder staleness 1 (mean over iterations):")
-    header = f"{'metric':<28}" + "".join(f"{loss:>14}" for loss in args.losses)
-    header += "".join(f"{loss + '/' + first:>22}" for loss in args.losses[1:])
-    print(header)
-    for key in results[first]:
-        line = f"{key:<28}" + "".join(f"{results[loss][key]:>14.4g}" for loss in args.losses)
-        for loss in args.losses[1:]:
-            ref = results[first][key]
-            line += f"{(results[loss][key] / ref if ref else float('nan')):>22.3f}"
-        print(line)
+    print("\nunder staleness 1 (over the iterations):")
+    print_side_by_side({loss: summarize(runs[f"async:{loss}"]) for loss in args.losses}, args.losses)
     return 0
 
 

@@ -89,19 +89,25 @@ def main() -> int:
         if base is None and (root / method / "base_model" / "config.json").is_file():
             base = root / method / "base_model"
 
-    first = args.methods[0]
     rollout = args.rollout_dtype + ("" if args.quantization == "none" else f" + {args.quantization}")
     print(f"\nrollouts: {rollout}; {args.iterations} iterations each; runs in {root}")
-    header = f"{'metric':<28}" + "".join(f"{m:>14}" for m in args.methods)
-    header += "".join(f"{m + '/' + first:>22}" for m in args.methods[1:])
+    print_side_by_side(results, args.methods)
+    return 0
+
+
+def print_side_by_side(results: dict[str, dict], methods: list[str]) -> None:
+    """One row per metric of :func:`summarize`, one column per method, then each method's ratio to
+    the first."""
+    first = methods[0]
+    header = f"{'metric':<28}" + "".join(f"{m:>14}" for m in methods)
+    header += "".join(f"{m + '/' + first:>22}" for m in methods[1:])
     print(header)
     for key in results[first]:
-        line = f"{key:<28}" + "".join(f"{results[m][key]:>14.4g}" for m in args.methods)
-        for m in args.methods[1:]:
+        line = f"{key:<28}" + "".join(f"{results[m][key]:>14.4g}" for m in methods)
+        for m in methods[1:]:
             ref = results[first][key]
             line += f"{(results[m][key] / ref if ref else math.nan):>22.3f}"
         print(line)
-    return 0
 
 
 if __name__ == "__main__":

@@ -125,18 +125,23 @@ def test_sigkill_during_save_and_training_resumes_to_the_same_metrics(tmp_path):
 
     # killed in the middle of training
     run = tmp_path / "killed_in_training"
-    proc = train(run, *common, wait=False)
-    deadline = time.time() + 600
-    while len(metrics(run)) < 2 and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.2)
-    assert proc.poll() is None, "the run ended before it could be killed"
-    kill_tree(proc)
+    kill_after_two_iterations(run, *common)
     rc, out = train(run, *common)
     assert rc == 0 and "resumed from" in out, out[-6000:]
     resumed = metrics(run)
     assert [r["iteration"] for r in resumed] == [0, 1, 2]
     for a, b in zip(straight, resumed):
         _same_metrics(a, b)
+
+
+def kill_after_two_iterations(run: Path, *overrides: str) -> None:
+    """Start a run and SIGKILL every process of it once it has logged two iterations."""
+    proc = train(run, *overrides, wait=False)
+    deadline = time.time() + 600
+    while len(metrics(run)) < 2 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    kill_tree(proc)
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
@@ -366,12 +371,7 @@ def test_sigkill_mid_async_iteration_resumes(tmp_path):
     common = ["trainer.iterations=4", "trainer.save_interval=1", "trainer.sft_warmup_steps=30", *SEPARATE,
               "trainer.max_staleness=1"]
     run = tmp_path / "killed"
-    proc = train(run, *common, wait=False)
-    deadline = time.time() + 600
-    while len(metrics(run)) < 2 and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.2)
-    assert proc.poll() is None, "the run ended before it could be killed"
-    kill_tree(proc)
+    kill_after_two_iterations(run, *common)
     saved = sorted((run / "checkpoints").glob("iter_???????"))
     assert saved, "no checkpoint before the kill"
     extra = torch.load(saved[-1] / "extra.pt", weights_only=False)
