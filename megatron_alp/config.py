@@ -349,12 +349,15 @@ class RolloutConfig(_Section):
         "`tensor_parallel_size` on GPUs (every GPU generates), one per data-parallel rank on the CPU. With "
         "per-sample seeds the rollouts do not depend on the number of replicas.",
     )
-    sync_method: Optional[Literal["memory", "folder"]] = Field(
+    sync_method: Optional[Literal["memory", "folder", "broadcast"]] = Field(
         None,
         description="How weights reach an engine: `memory` (buckets handed over in memory: in-process "
         "reload, shared-memory buffers to a CPU engine subprocess, CUDA IPC handles to a colocated GPU "
-        "engine) or `folder` (a safetensors checkpoint in `sync_dir` the engine reloads). Default: the "
-        "engine's first supported method (vllm: memory; sglang: folder only).",
+        "engine), `folder` (a safetensors checkpoint in `sync_dir` the engine reloads) or `broadcast` "
+        "(vllm: each bucket of whole layers broadcast from the replica's rank to the engine's workers in a "
+        "process group of their own, NCCL for GPU weights, gloo for CPU ones; for engines that share neither "
+        "memory nor GPU with the trainer; runs the engine in its subprocess). Default: the engine's first "
+        "supported method (vllm: memory; sglang: folder only).",
     )
     gpu_memory_utilization: float = Field(
         0.5, gt=0.0, le=1.0, description="Fraction of GPU memory the engine may take (colocated)."
@@ -383,7 +386,7 @@ class RolloutConfig(_Section):
         description="Where the vLLM engine runs: `in_process` (fastest start, weights handed over in "
         "memory), `subprocess` (vLLM's engine-core process, started by each replica's rank and "
         "restarted if it dies), or `auto`: in-process for a one-rank job, a subprocess under torchrun "
-        "(an in-process vLLM would join the trainer's process group).",
+        "(an in-process vLLM would join the trainer's process group) or with `sync_method: broadcast`.",
     )
     sync_dir: Optional[str] = Field(
         None,
