@@ -131,7 +131,9 @@ class BroadcastSender:
     def _connect(self, device: torch.device, join: Callable[[dict], Any]) -> None:
         self.close()
         backend = backend_for(device)
-        timeout = timedelta(seconds=self.timeout_s)
+        # The group's own limit is twice the step's: this end gives up (and aborts NCCL) first, before
+        # NCCL's watchdog would time the operation out and end this process (the trainer).
+        timeout = timedelta(seconds=2 * self.timeout_s)
         store = dist.TCPStore(self.host, 0, is_master=True, timeout=timeout, wait_for_workers=False)
         spec = {"host": self.host, "port": store.port, "size": self.workers + 1, "backend": backend,
                 "timeout_s": self.timeout_s}
