@@ -37,6 +37,8 @@ for line in sys.stdin:
             out = receiver.receive(arg, load)
         elif call == "refuse":
             raise RuntimeError("refused before receiving")
+        elif call == "ready":
+            out = None
         elif call == "hang":
             time.sleep(3600)
         elif call == "seen":
@@ -57,6 +59,12 @@ class Worker:
         self.proc = subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env)
         self.lock = threading.Lock()
+        self.senders = []
+        self.call("ready")  # imports done: the steps' time limits do not include them
+
+    def sender(self, timeout_s):
+        self.senders.append(BroadcastSender(workers=1, timeout_s=timeout_s, alive=self.alive))
+        return self.senders[-1]
 
     def call(self, name, arg=None):
         with self.lock:
@@ -78,9 +86,13 @@ class Worker:
                            receive=lambda header: self.call(receive, header))
 
     def stop(self):
+        """End the worker, then the senders: their part of a failed step ends with the worker."""
         if self.alive():
             self.proc.kill()
         self.proc.wait()
+        for sender in self.senders:
+            sender.close(grace_s=10.0)
+            assert not sender._abandoned, "a broadcast thread outlived the worker"
 
 
 @pytest.fixture
@@ -106,14 +118,11 @@ def test_buckets_arrive_bit_for_bit_in_a_group_of_their_own(worker, tmp_path):
     one gloo group (joined once), and no default process group is created on this side."""
     g = torch.Generator().manual_seed(0)
     buckets = [_bucket(layer, g) for layer in range(3)]
-    sender = BroadcastSender(workers=1, timeout_s=60.0, alive=worker.alive)
-    try:
-        sent = [worker.send(sender, b) for b in buckets]
-        assert sender.backend == "gloo"
-        port = sender._store.port
-        worker.call("seen", str(tmp_path / "seen.pt"))
-    finally:
-        sender.close()
+    sender = worker.sender(timeout_s=60.0)
+    sent = [worker.send(sender, b) for b in buckets]
+    assert sender.backend == "gloo" and sender._store.port > 0
+    worker.call("seen", str(tmp_path / "seen.pt"))
+    sender.close()
     assert not dist.is_initialized(), "the transport must not touch torch.distributed's default group"
     seen = torch.load(tmp_path / "seen.pt")
     for bucket, nbytes in zip(buckets, sent):
@@ -121,12 +130,11 @@ def test_buckets_arrive_bit_for_bit_in_a_group_of_their_own(worker, tmp_path):
         for name, t in bucket:
             assert seen[name].dtype == t.dtype and seen[name].shape == t.shape, name
             assert torch.equal(seen[name], t), name
-    assert port > 0
 
 
 def test_worker_killed_mid_sync_fails_the_next_bucket_quickly(worker):
     g = torch.Generator().manual_seed(1)
-    sender = BroadcastSender(workers=1, timeout_s=120.0, alive=worker.alive)
+    sender = worker.sender(timeout_s=120.0)
     worker.send(sender, _bucket(0, g))
     os.kill(worker.proc.pid, signal.SIGKILL)
     t0 = time.monotonic()
@@ -140,7 +148,7 @@ def test_failures_on_the_engine_side_are_reported_without_waiting_for_the_timeou
     """The worker's load rejects a bucket after receiving it, or refuses one before receiving it
     (the leader's broadcast is then left without a receiver): both raise at once, naming the side."""
     g = torch.Generator().manual_seed(2)
-    sender = BroadcastSender(workers=1, timeout_s=120.0, alive=worker.alive)
+    sender = worker.sender(timeout_s=120.0)
     t0 = time.monotonic()
     with pytest.raises(BroadcastError, match="the engine side failed: RuntimeError: ValueError: this worker rejects"):
         worker.send(sender, [("reject", torch.ones(4))])
@@ -148,15 +156,18 @@ def test_failures_on_the_engine_side_are_reported_without_waiting_for_the_timeou
         worker.send(sender, _bucket(0, g), receive="refuse")
     assert time.monotonic() - t0 < 20
     worker.send(sender, _bucket(1, g))  # a new group with the same (live) worker works
-    sender.close()
 
 
 def test_a_step_that_never_completes_ends_at_the_timeout(worker):
-    sender = BroadcastSender(workers=1, timeout_s=2.0, alive=worker.alive)
+    """The worker never answers nor receives: the step ends at its limit; the leader's broadcast,
+    left waiting for a receiver, ends when the worker does."""
+    sender = worker.sender(timeout_s=3.0)
+    worker.send(sender, [("model.layers.0.x", torch.ones(8))])  # joined
     t0 = time.monotonic()
-    with pytest.raises(BroadcastError, match=r"not done after 2 s \(waiting for the engine"):
-        worker.send(sender, [("model.layers.0.x", torch.ones(8))], receive="hang")
-    assert 2.0 <= time.monotonic() - t0 < 10
+    with pytest.raises(BroadcastError, match=r"not done after 3 s \(waiting for the engine and the leader\)"):
+        worker.send(sender, [("model.layers.1.x", torch.ones(8))], receive="hang")
+    assert 3.0 <= time.monotonic() - t0 < 10
+    assert sender._abandoned and sender._abandoned[0].is_alive()
 
 
 @pytest.mark.gpu
@@ -168,7 +179,7 @@ def test_cuda_buckets_go_by_nccl_to_a_process_on_another_gpu(tmp_path):
     try:
         g = torch.Generator().manual_seed(3)
         buckets = [[(n, t.to("cuda:0")) for n, t in _bucket(layer, g)] for layer in range(2)]
-        sender = BroadcastSender(workers=1, timeout_s=120.0, alive=w.alive)
+        sender = w.sender(timeout_s=120.0)
         for b in buckets:
             w.send(sender, b)
         assert sender.backend == "nccl"

@@ -306,9 +306,7 @@ class VLLMEngine(RolloutEngine):
         """Free the engine. In process, vLLM's own shutdown would also destroy torch.distributed's
         default process group (the trainer's) and the parallel state other in-process engines
         share, so only the executor (model, KV cache) and scheduler are shut down there."""
-        if self._sender is not None:  # its workers are about to go
-            self._sender.close()
-            self._sender = None
+        sender, self._sender = self._sender, None
         llm, self._llm = self._llm, None
         if llm is None:
             return
@@ -326,6 +324,8 @@ class VLLMEngine(RolloutEngine):
                     core.scheduler.shutdown()
         except Exception:  # a dead engine may fail to shut down; it is being dropped anyway
             pass
+        if sender is not None:  # its workers are gone: a broadcast left over from a failure ends now
+            sender.close(grace_s=10.0)
         del llm, client
         gc.collect()
 

@@ -107,6 +107,7 @@ class BroadcastSender:
         self._group = None
         self._device: Optional[torch.device] = None
         self._flat: Optional[torch.Tensor] = None
+        self._abandoned: list[threading.Thread] = []  # this end's part of failed steps, maybe still blocked
 
     def send(self, bucket: Sequence[tuple[str, torch.Tensor]], join: Callable[[dict], Any],
              receive: Callable[[tuple], Any]) -> int:
@@ -169,9 +170,10 @@ class BroadcastSender:
             except BaseException as err:  # noqa: BLE001  (reported to the waiting thread)
                 done.put((side, err))
 
-        for side, work in (("engine", engine), ("leader", leader)):
-            threading.Thread(target=run, args=(side, work), name=f"megatron-alp-broadcast-{side}",
-                             daemon=True).start()
+        threads = {side: threading.Thread(target=run, args=(side, work), name=f"megatron-alp-broadcast-{side}",
+                                          daemon=True) for side, work in (("engine", engine), ("leader", leader))}
+        for thread in threads.values():
+            thread.start()
         deadline = time.monotonic() + self.timeout_s
         pending = {"engine", "leader"}
         try:
@@ -186,27 +188,45 @@ class BroadcastSender:
                                              f"(waiting for the {' and the '.join(sorted(pending))})") from None
                     continue
                 if err is not None:
-                    dead = "" if self.alive() else " (the engine's process died)"
+                    dead = " (the engine's process died)" if self._died() else ""
                     raise BroadcastError(f"{what}: the {side} side failed{dead}: {type(err).__name__}: {err}") from err
                 pending.discard(side)
         except BroadcastError:
             # The other side may still wait in the group: it gets the group's own timeout (gloo),
-            # an aborted communicator (NCCL) or the engine's restart.
+            # an aborted communicator (NCCL) or the engine's restart (see close).
+            if "leader" in pending:
+                self._abandoned.append(threads["leader"])
             self.close()
             raise
+
+    def _died(self, within_s: float = 1.0) -> bool:
+        """Whether the engine's processes end within ``within_s``: a failed step is often the first to
+        hear of a death (its connection reset) before the process is reported ended."""
+        deadline = time.monotonic() + within_s
+        while self.alive():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(_POLL_S)
+        return True
 
     def release_device(self) -> None:
         """Free a CUDA bucket buffer (between syncs the GPU belongs to training)."""
         if self._flat is not None and self._flat.is_cuda:
             self._flat = None
 
-    def close(self) -> None:
-        """Leave the group (its workers are gone or will be restarted)."""
+    def close(self, grace_s: float = 0.0) -> None:
+        """Leave the group (its workers are gone or will be restarted). ``grace_s``: how long to wait
+        for this end's part of a failed step, which ends once the engine's processes are gone (their
+        connections close) -- a thread still blocked in gloo when the interpreter exits aborts it."""
         group, self._group = self._group, None
         if group is not None and self.backend == "nccl":
             group.abort()  # NCCL's watchdog would otherwise time a broken broadcast out and end this process
         self._store = self._device = self.backend = None
         self._flat = None
+        deadline = time.monotonic() + grace_s
+        for thread in self._abandoned:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._abandoned = [t for t in self._abandoned if t.is_alive()]
 
 
 class BroadcastReceiver:
