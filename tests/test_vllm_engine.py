@@ -415,3 +415,25 @@ def test_gpu_subprocess_engine_takes_cuda_ipc_buckets(model_dirs):
         assert max_diff(model, engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=8))) < 1e-3
     finally:
         engine.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="needs 2 NVIDIA GPUs and vLLM's GPU build (NCCL cannot broadcast between ranks on one GPU)")
+def test_gpu_engine_on_its_own_gpu_takes_weights_by_nccl_broadcast(model_dirs):
+    """The engine on GPU 1 (its placement), the trainer's weights on GPU 0: every bucket goes by NCCL
+    broadcast and the engine's logprobs are then the new weights' (fp32 engine)."""
+    from megatron_alp.rollout.placement import Placement
+
+    d = model_dirs["qwen3"]
+    engine = build_engine(rollout_cfg(sync_method="broadcast", sync_bucket_mb=1, gpu_memory_utilization=0.3),
+                          str(d), seed=0, placement=Placement(replica=0, replicas=1, gpus=(1,)))
+    try:
+        state = perturbed_state(d, seed=3)
+        engine.update_weights((k, v.to("cuda:0")) for k, v in state.items())
+        assert engine.last_sync["path"] == "broadcast"
+        model = hf_model(d, state)
+        assert max_diff(model, engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=8))) < 1e-3
+        engine.update_weights((k, v.to("cuda:0")) for k, v in state.items())  # the group is kept between syncs
+    finally:
+        engine.shutdown()

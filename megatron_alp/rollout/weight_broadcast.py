@@ -48,7 +48,7 @@ class BroadcastError(RuntimeError):
     """A broadcast step failed (engine died, a side raised, deadline passed); the group is closed."""
 
 
-def backend_for(device: torch.device) -> str:
+def _backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
@@ -115,7 +115,7 @@ class BroadcastSender:
         every worker take a bucket (``header``: its metadata and size); ``join(spec)`` the one that
         makes them join a group (made when there is none yet or the bucket needs the other backend)."""
         device = bucket[0][1].device
-        if self._group is None or self.backend != backend_for(device):
+        if self._group is None or self.backend != _backend_for(device):
             self._connect(device, join)
         metas, total = bucket_layout(bucket)
         self._flat = flat = _buffer(self._flat, total, device)
@@ -131,7 +131,7 @@ class BroadcastSender:
 
     def _connect(self, device: torch.device, join: Callable[[dict], Any]) -> None:
         self.close()
-        backend = backend_for(device)
+        backend = _backend_for(device)
         # The group's own limit is twice the step's: this end gives up (and aborts NCCL) first, before
         # NCCL's watchdog would time the operation out and end this process (the trainer).
         timeout = timedelta(seconds=2 * self.timeout_s)
