@@ -15,13 +15,15 @@ comparison run in one invocation and their ratios are printed side by side:
   drives it are processes of their own. A reference line gives what k single-thread matmul
   loops on k cores do over one, the most k replicas can gain on this machine (a VM's vCPUs may
   share hardware). Target: 2 replicas >= 1.6x the tokens/s of 1 on 2 cores;
-- ``--sync-method memory folder``: an engine subprocess takes ``--syncs`` syncs (after one
-  untimed warm-up) through shared-memory buckets vs a safetensors folder in /dev/shm.
-  Target: memory <= 0.5x the seconds of folder.
+- ``--sync-method memory folder broadcast``: an engine subprocess takes ``--syncs`` syncs (after
+  one untimed warm-up) through shared-memory buckets, a safetensors folder in /dev/shm, or a
+  broadcast of each bucket in a process group of the engine's own (gloo on the CPU; NCCL for
+  ``--device cuda`` weights, which needs the engine on another GPU than the weights: not on a
+  one-GPU machine). Target: memory <= 0.5x the seconds of folder.
 
     python benchmarks/bench_rollout.py                                   # CPU, tiny Qwen2
     python benchmarks/bench_rollout.py --replicas 1 2 --prompts 64 --max-tokens 256   # CPU, 2 cores
-    python benchmarks/bench_rollout.py --sync-method memory folder --model-size 100m --syncs 10
+    python benchmarks/bench_rollout.py --sync-method memory folder broadcast --model-size 100m --syncs 10
     python benchmarks/bench_rollout.py --device cuda --model-size 1.5b --dtype bfloat16 \\
         --prompts 256 --max-tokens 512                                   # GPU machine (vLLM GPU build)
 
@@ -143,13 +145,15 @@ def bench_sync_method(method: str, model_dir: Path, weights: dict, args) -> dict
 
 def report_sync_methods(rows: dict, syncs: int) -> None:
     print(f"engine subprocess, mean of {syncs} syncs after one untimed")
-    print(f"{'method':<8} {'s/sync':>8} {'min s':>8} {'max s':>8} {'MB/sync':>8} {'GB/s':>8}")
+    print(f"{'method':<9} {'s/sync':>8} {'min s':>8} {'max s':>8} {'MB/sync':>8} {'GB/s':>8}")
     for name, r in rows.items():
-        print(f"{name:<8} {r['sync_s']:8.3f} {r['min_s']:8.3f} {r['max_s']:8.3f} {r['sync_mb']:8.1f} "
+        print(f"{name:<9} {r['sync_s']:8.3f} {r['min_s']:8.3f} {r['max_s']:8.3f} {r['sync_mb']:8.1f} "
               f"{r['gb_per_s']:8.2f}")
     if {"memory", "folder"} <= rows.keys():
         ratio = rows["memory"]["sync_s"] / rows["folder"]["sync_s"]
         print(f"memory / folder: s/sync x{ratio:.2f} (target <= 0.5: {'met' if ratio <= 0.5 else 'NOT met'})")
+    if {"memory", "broadcast"} <= rows.keys():
+        print(f"broadcast / memory: s/sync x{rows['broadcast']['sync_s'] / rows['memory']['sync_s']:.2f}")
 
 
 # --------------------------------------------------------------------------------- replicas
@@ -285,7 +289,8 @@ def parse_args():
     p.add_argument("--placements", default="in_process,subprocess")
     p.add_argument("--replicas", type=int, nargs="+", help="compare these replica counts (torchrun job)")
     p.add_argument("--repeats", type=int, default=3, help="timed generate calls per replica count (median)")
-    p.add_argument("--sync-method", nargs="+", choices=["memory", "folder"], help="compare these sync methods")
+    p.add_argument("--sync-method", nargs="+", choices=["memory", "folder", "broadcast"],
+                   help="compare these sync methods")
     p.add_argument("--replica-job", help=argparse.SUPPRESS)  # the torchrun ranks of --replicas
     return p.parse_args()
 

@@ -433,9 +433,10 @@ class RolloutConfig(_Section):
         None,
         description="How weights reach an engine: `memory` (buckets handed over in memory: in-process "
         "reload, shared-memory buffers to a CPU engine subprocess, CUDA IPC handles to a colocated GPU "
-        "engine), `broadcast` (buckets broadcast over a process group of the replica's leader and the "
-        "engine's workers: NCCL on GPUs, gloo on the CPU; for engines on devices of their own) or `folder` "
-        "(a safetensors checkpoint in `sync_dir` the engine reloads). Default: `broadcast` with `placement: "
+        "engine), `broadcast` (vllm: each bucket of whole layers broadcast from the replica's leader to the "
+        "engine's workers in a process group of their own, NCCL for GPU weights, gloo for CPU ones; for engines "
+        "that share neither memory nor GPU with the trainer; runs the engine in its subprocess) or `folder` (a "
+        "safetensors checkpoint in `sync_dir` the engine reloads). Default: `broadcast` with `placement: "
         "separate`, else the engine's first supported method (vllm: memory; sglang: folder only).",
     )
     gpu_memory_utilization: float = Field(
@@ -468,7 +469,7 @@ class RolloutConfig(_Section):
         description="Where the vLLM engine runs: `in_process` (fastest start, weights handed over in "
         "memory), `subprocess` (vLLM's engine-core process, started by each replica's rank and "
         "restarted if it dies), or `auto`: in-process for a one-rank job, a subprocess under torchrun "
-        "(an in-process vLLM would join the trainer's process group).",
+        "(an in-process vLLM would join the trainer's process group) or with `sync_method: broadcast`.",
     )
     sync_dir: Optional[str] = Field(
         None,

@@ -111,6 +111,14 @@ def test_sglang_with_fp8_is_refused_at_config_validation(quantization):
         config_from_dict({"model": {"tiny": "qwen2"}, "rollout": {"engine": "sglng"}})
 
 
+
+@pytest.mark.parametrize("method", ["memory", "broadcast"])
+def test_sglang_takes_weights_only_from_a_folder(method):
+    with pytest.raises(ValueError, match=rf"rollout.sync_method={method} is not available with "
+                                         r"rollout.engine=sglang \(it supports: folder\)"):
+        sglang_cfg(sync_method=method)
+    assert sglang_cfg(sync_method="folder").sync_method == "folder"
+
 # ------------------------------------------------------------------------------ GPU machine
 
 def _hf_logprobs(model_dir, completion, temperature, state=None):

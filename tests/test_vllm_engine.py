@@ -242,6 +242,8 @@ def test_unsupported_quantization_setups_are_refused_with_the_fix(model_dirs, tm
             VLLMEngine(rollout_cfg(dtype="bfloat16", quantization="fp8_per_channel"), str(moe))
     with pytest.raises(ValueError, match=r"unknown rollout engine 'vlm'; registered engines: \['sglang', 'vllm'\]"):
         rollout_cfg(engine="vlm")  # refused when the config is validated, before any engine starts
+    with pytest.raises(ValueError, match="rollout.sync_method=broadcast with rollout.engine_process=in_process"):
+        rollout_cfg(sync_method="broadcast", engine_process="in_process")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU vLLM returns routed experts (tests/test_routing_replay.py)")
@@ -318,6 +320,76 @@ def test_subprocess_engine_survives_its_death_and_keeps_synced_weights(model_dir
     assert folder is not None and not folder.exists()
 
 
+@pytest.fixture(scope="module")
+def broadcast_engine(model_dirs):
+    """``rollout.sync_method: broadcast`` with ``engine_process: auto``: the engine runs in its
+    subprocess, weights arrive in 1 MB buckets (several for the ~3 MB model) over gloo."""
+    engine = build_engine(rollout_cfg(sync_method="broadcast", sync_bucket_mb=1), str(model_dirs["qwen3"]), seed=0)
+    yield engine
+    engine.shutdown()
+
+
+def kill_engine(engine):
+    pids = engine.engine_pids()
+    assert pids, "the engine core should run in its own process"
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    time.sleep(1.0)
+
+
+def test_broadcast_sync_reaches_the_tied_lm_head(broadcast_engine, model_dirs):
+    """Only the (tied) embedding changes: the engine's LM head must follow it, i.e. its logprobs are
+    those of the new embedding used as head, not of a head that kept the old one."""
+    from safetensors.torch import load_file
+
+    d = model_dirs["qwen3"]
+    assert broadcast_engine.tied_embeddings and broadcast_engine.engine_pids()
+    old = load_file(str(d / "model.safetensors"))
+    assert "lm_head.weight" not in old
+    g = torch.Generator().manual_seed(5)
+    new = {**old, "model.embed_tokens.weight": old["model.embed_tokens.weight"] + 0.3 * torch.randn(
+        old["model.embed_tokens.weight"].shape, generator=g)}
+    broadcast_engine.update_weights(new.items())
+    assert broadcast_engine.last_sync["path"] == "broadcast"
+    groups = broadcast_engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=8))
+    assert max_diff(hf_model(d, new), groups) < FP32_TOL
+    stale_head = hf_model(d, new)
+    stale_head.lm_head.weight = torch.nn.Parameter(old["model.embed_tokens.weight"].clone())
+    assert max_diff(stale_head, groups) > 1e-2
+
+
+def test_broadcast_sync_follows_new_weights_and_survives_engine_deaths(broadcast_engine, model_dirs):
+    """Perturbed weights broadcast to the engine subprocess give HF fp32's logprobs. An engine
+    SIGKILLed between syncs is restarted by the next sync, which completes; one SIGKILLed in the
+    middle of a sync makes that sync a RolloutError within seconds (no hang), and the next sync
+    restarts it and completes."""
+    d = model_dirs["qwen3"]
+    engine = broadcast_engine
+    restarts = engine.restarts
+    sync_new_weights(engine, d, "broadcast")
+
+    kill_engine(engine)
+    state = perturbed_state(d, seed=6)
+    engine.update_weights(state.items())
+    assert engine.restarts == restarts + 1 and engine.last_sync["path"] == "broadcast"
+    model = hf_model(d, state)
+    assert max_diff(model, engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=8))) < FP32_TOL
+
+    def dies_after_the_first_layer(weights):
+        for name, tensor in weights:
+            if ".layers.1." in name:
+                kill_engine(engine)
+            yield name, tensor
+
+    t0 = time.monotonic()
+    with pytest.raises(RolloutError, match="vLLM rejected the weight update: BroadcastError: .*(died|closed)"):
+        engine.update_weights(dies_after_the_first_layer(perturbed_state(d, seed=7).items()))
+    assert time.monotonic() - t0 < 60
+    engine.update_weights(state.items())
+    assert engine.restarts == restarts + 2
+    assert max_diff(model, engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=8))) < FP32_TOL
+
+
 def test_engine_starts_again_after_torch_distributed_was_torn_down(model_dirs):
     """A finished run in the same process (train, eval) destroys torch.distributed while vLLM's
     module globals still hold its dead groups; the next in-process engine must start anyway.
@@ -357,5 +429,27 @@ def test_gpu_subprocess_engine_takes_cuda_ipc_buckets(model_dirs):
         assert engine.last_sync["path"] == "memory"
         model = hf_model(d, state)
         assert max_diff(model, engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=8))) < 1e-3
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="needs 2 NVIDIA GPUs and vLLM's GPU build (NCCL cannot broadcast between ranks on one GPU)")
+def test_gpu_engine_on_its_own_gpu_takes_weights_by_nccl_broadcast(model_dirs):
+    """The engine on GPU 1 (its placement), the trainer's weights on GPU 0: every bucket goes by NCCL
+    broadcast and the engine's logprobs are then the new weights' (fp32 engine)."""
+    from megatron_alp.rollout.placement import Placement
+
+    d = model_dirs["qwen3"]
+    engine = build_engine(rollout_cfg(sync_method="broadcast", sync_bucket_mb=1, gpu_memory_utilization=0.3),
+                          str(d), seed=0, placement=Placement(replica=0, replicas=1, gpus=(1,)))
+    try:
+        state = perturbed_state(d, seed=3)
+        engine.update_weights((k, v.to("cuda:0")) for k, v in state.items())
+        assert engine.last_sync["path"] == "broadcast"
+        model = hf_model(d, state)
+        assert max_diff(model, engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=8))) < 1e-3
+        engine.update_weights((k, v.to("cuda:0")) for k, v in state.items())  # the group is kept between syncs
     finally:
         engine.shutdown()

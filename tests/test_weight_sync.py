@@ -123,11 +123,13 @@ def test_engine_matches_megatron_and_fp8_mismatch_exceeds_bf16(two_models, tmp_p
     assert r["restarts"] == 1 and r["sync"]["sync/verify_mean_abs_diff"] < 1e-3
 
 
-def test_tp2_and_pp2_trainers_feed_one_engine(two_models, tmp_path):
-    """Two gloo ranks, TP=2 then PP=2: the engine (a subprocess of rank 0) follows every sync and
-    its logprobs equal Megatron's; without a sync, verification fails on every rank."""
+@pytest.mark.parametrize("method", ["memory", "broadcast"])
+def test_tp2_and_pp2_trainers_feed_one_engine(two_models, tmp_path, method):
+    """Two gloo ranks, TP=2 then PP=2: the engine (a subprocess of rank 0) follows every sync, by
+    shared-memory buckets or by broadcast in a group of its own beside the trainer's, and its
+    logprobs equal Megatron's; without a sync, verification fails on every rank."""
     a, b = two_models["qwen3"]
-    torchrun("check_weight_sync.py", "sync", str(a), str(b), str(tmp_path / "r.json"))
+    torchrun("check_weight_sync.py", "sync", str(a), str(b), str(tmp_path / "r.json"), method)
     r = read_results(tmp_path / "r.json")
     expected_bytes = sum(t.numel() * t.element_size() for t in load_file(b / "model.safetensors").values())
     for layout in ("tp2_pp1", "tp1_pp2"):

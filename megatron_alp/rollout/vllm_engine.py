@@ -18,7 +18,10 @@ Where it runs (``rollout.engine_process``):
   tensor parallelism). Weights then go in layer-aligned buckets, each a shared-memory segment
   (CPU) or a CUDA IPC buffer (GPU) that the workers map and reload from
   (:class:`WorkerExtension.load_weight_bucket`); with ``rollout.sync_method: folder``, through a
-  safetensors folder in ``rollout.sync_dir`` and ``reload_weights(weights_path=...)``.
+  safetensors folder in ``rollout.sync_dir`` and ``reload_weights(weights_path=...)``; with
+  ``rollout.sync_method: broadcast`` (engines on devices of their own), by a collective broadcast
+  of each bucket from this process to the workers (:mod:`megatron_alp.rollout.weight_broadcast`),
+  which always runs the engine in its subprocess.
 Every reload path re-runs each layer's post-load processing, so quantized engines re-quantize.
 
 Routed experts (``rollout.return_routed_experts``, MoE routing replay R3): the engine is built with
@@ -34,8 +37,9 @@ CPU cores), so replicas on one machine do not share devices.
 Failures never truncate a batch silently: prompts are checked before sending (context length,
 token ids); each attempt is bounded by ``request_timeout_s`` and unfinished or aborted samples
 are retried up to ``max_retries`` times; an exception from the engine (the subprocess died)
-restarts it. After a restart that lost in-memory weights, :class:`EngineRestarted` asks the
-caller to sync again. Anything still missing is a :class:`RolloutError`.
+restarts it; a weight update finding the engine dead restarts it first. After a restart that
+lost in-memory weights, :class:`EngineRestarted` asks the caller to sync again. Anything still
+missing is a :class:`RolloutError`.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import shutil
 import threading
 import time
 from dataclasses import replace
+from concurrent.futures import InvalidStateError
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -70,6 +75,7 @@ from megatron_alp.rollout.base import (
 from megatron_alp.rollout.placement import Placement, placement_env
 from megatron_alp.rollout.quantization import check_model_not_prequantized, vllm_quantization_args
 from megatron_alp.rollout.vllm_plugin import SLEEP_WHEN_IDLE
+from megatron_alp.rollout.weight_broadcast import BroadcastReceiver, BroadcastSender
 from megatron_alp.rollout.weight_sync import (
     BucketWriter,
     WeightStream,
@@ -99,6 +105,17 @@ class WorkerExtension:
     def load_weight_bucket(self, handle: bytes) -> int:
         """Reload the weights of one bucket packed by :class:`BucketWriter` (whole layers)."""
         return load_bucket(handle, lambda weights: self.reload_weights(weights_iterator=weights))
+
+    def join_weight_broadcast(self, spec: dict) -> None:
+        """Join the replica leader's weight broadcast group (a new one after every engine start)."""
+        self._weight_receiver = BroadcastReceiver(spec, self.rank)
+
+    def receive_weight_bucket(self, header: tuple) -> int:
+        """Receive one broadcast bucket (whole layers) and reload its weights."""
+        receiver = getattr(self, "_weight_receiver", None)
+        if receiver is None:
+            raise RuntimeError("receive_weight_bucket before join_weight_broadcast")
+        return receiver.receive(header, lambda weights: self.reload_weights(weights_iterator=weights))
 
 
 enable_cpu_amx()
@@ -196,8 +213,18 @@ def _in_process_client(llm):
 
 @register_engine("vllm")
 class VLLMEngine(RolloutEngine):
-    sync_methods = ("memory", "folder")
+    sync_methods = ("memory", "folder", "broadcast")
     partial_rollouts = True
+
+    @classmethod
+    def check_config(cls, cfg: RolloutConfig) -> None:
+        super().check_config(cfg)
+        if cfg.sync_method == "broadcast" and cfg.engine_process == "in_process":
+            raise ValueError(
+                "rollout.sync_method=broadcast with rollout.engine_process=in_process: the broadcast goes "
+                "from the trainer's process to the engine's own processes, and an in-process engine shares "
+                "the trainer's; use rollout.engine_process subprocess (or auto), or rollout.sync_method memory"
+            )
 
     def __init__(self, cfg: RolloutConfig, model_dir: str, seed: int = 0, placement: Optional[Placement] = None):
         self.cfg = cfg
@@ -220,10 +247,11 @@ class VLLMEngine(RolloutEngine):
                 "which it returns only from its Model Runner V2 (enable_return_routed_experts), and that needs "
                 "Triton and a GPU; this machine has none. On the CPU use moe.routing_replay r2 (the old-policy "
                 "pass's routing, replayed in the update) or none")
-        self.subprocess = self._wants_subprocess(cfg)
+        self.subprocess = self._wants_subprocess(cfg, self.method)
         self._sync_root: Optional[Path] = None
         self._weights_dir: Optional[Path] = None  # folder of the current weights (out-of-process path)
         self._writer: Optional[BucketWriter] = None  # shared-memory buckets (in-memory path to a subprocess)
+        self._sender: Optional[BroadcastSender] = None  # broadcast group of the running engine's workers
         self._weights_in_memory = False  # synced weights that a restart would lose
         self._broken = False
         self._asleep: set[str] = set()
@@ -234,12 +262,12 @@ class VLLMEngine(RolloutEngine):
         self._start()
 
     @staticmethod
-    def _wants_subprocess(cfg: RolloutConfig) -> bool:
-        """``engine_process``; ``auto``: a subprocess under torchrun and for engines on devices or
-        cores of their own (``placement: separate``, ``cpu_cores``)."""
+    def _wants_subprocess(cfg: RolloutConfig, method: str) -> bool:
+        """``engine_process``; ``auto``: a subprocess under torchrun, for engines on devices or cores
+        of their own (``placement: separate``, ``cpu_cores``) and for ``broadcast`` syncs."""
         if cfg.engine_process != "auto":
             return cfg.engine_process == "subprocess"
-        if cfg.placement == "separate" or cfg.cpu_cores:
+        if cfg.placement == "separate" or cfg.cpu_cores or method == "broadcast":
             return True
         import torch.distributed as dist
 
@@ -308,10 +336,12 @@ class VLLMEngine(RolloutEngine):
         self._watch_engine_process()
 
     def _watch_engine_process(self) -> None:
-        """vLLM's client waits for engine outputs without a time limit, and when its engine-core
-        process dies, vLLM's own monitor stops the output thread without waking that wait: a death
-        in the middle of a step would hang the rollout. Watch the process and wake the wait with
-        vLLM's EngineDeadError, which the step raises and :meth:`generate` turns into a restart."""
+        """vLLM's client waits for engine outputs and for the answers of control calls
+        (``collective_rpc``) without a time limit, and when its engine-core process dies, vLLM's own
+        monitor stops the output thread without waking those waits: a death in the middle of a step
+        or a weight sync would hang. Watch the process; when it ends, fail the control calls in
+        flight and wake the output wait with vLLM's EngineDeadError, which the step raises and
+        :meth:`generate` turns into a restart."""
         from multiprocessing.connection import wait
 
         from vllm.v1.engine.exceptions import EngineDeadError
@@ -324,8 +354,15 @@ class VLLMEngine(RolloutEngine):
             return
         llm = self._llm
 
+        calls = getattr(client, "utility_results", {})
+
         def watch():
             wait([p.sentinel for p in processes])
+            for call in list(calls.values()):
+                try:
+                    call.set_exception(EngineDeadError())
+                except InvalidStateError:  # answered meanwhile
+                    pass
             if self._llm is llm:  # not a shutdown or restart of ours
                 outputs.put_nowait(EngineDeadError())
 
@@ -335,6 +372,7 @@ class VLLMEngine(RolloutEngine):
         """Free the engine. In process, vLLM's own shutdown would also destroy torch.distributed's
         default process group (the trainer's) and the parallel state other in-process engines
         share, so only the executor (model, KV cache) and scheduler are shut down there."""
+        sender, self._sender = self._sender, None
         llm, self._llm = self._llm, None
         if llm is None:
             return
@@ -352,6 +390,8 @@ class VLLMEngine(RolloutEngine):
                     core.scheduler.shutdown()
         except Exception:  # a dead engine may fail to shut down; it is being dropped anyway
             pass
+        if sender is not None:  # its workers are gone: a broadcast left over from a failure ends now
+            sender.close(grace_s=10.0)
         del llm, client
         gc.collect()
 
@@ -396,8 +436,10 @@ class VLLMEngine(RolloutEngine):
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full HF-named tensors; the engine's quantization is applied to them again."""
-        if self._broken:
+        if self._broken or not self._engine_alive():
+            # Nothing of the stream is consumed yet: a fresh engine can take the whole sync.
             self._release()
+            self.restarts += 1
             self._start()
             self._weights_in_memory = False
         if "weights" in self._asleep:
@@ -407,12 +449,14 @@ class VLLMEngine(RolloutEngine):
         tensors = with_tied_head(stream) if self.tied_embeddings else iter(stream)
         worker = self._in_process_worker()
         t0 = time.time()
-        path = self.method if worker is None or self.method == "folder" else "in_process"
+        path = "in_process" if worker is not None and self.method == "memory" else self.method
         try:
             if path == "in_process":
                 worker.reload_weights(weights_iterator=tensors)
             elif path == "memory":
                 self._reload_from_buckets(tensors)
+            elif path == "broadcast":
+                self._reload_by_broadcast(tensors)
             else:
                 self._reload_from_folder(tensors)
             self._weights_in_memory = path != "folder"
@@ -435,6 +479,23 @@ class VLLMEngine(RolloutEngine):
                                          args=(self._writer.pack(bucket),))
         finally:
             self._writer.release_device()
+
+    def _reload_by_broadcast(self, stream: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Broadcast the stream to the engine's workers bucket by bucket (a group of their own)."""
+        if self._sender is None:
+            self._sender = BroadcastSender(workers=self.cfg.tensor_parallel_size,
+                                           timeout_s=self.cfg.request_timeout_s, alive=self._engine_alive)
+        rpc = self._llm.collective_rpc
+        timeout = self.cfg.request_timeout_s
+        try:
+            for bucket in layer_buckets(stream, self.cfg.sync_bucket_mb << 20):
+                self._sender.send(
+                    bucket,
+                    join=lambda spec: rpc("join_weight_broadcast", timeout=timeout, args=(spec,)),
+                    receive=lambda header: rpc("receive_weight_bucket", timeout=timeout, args=(header,)))
+        finally:
+            if self._sender is not None:
+                self._sender.release_device()
 
     def _reload_from_folder(self, stream: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self._sync_root is None:
@@ -587,8 +648,15 @@ class VLLMEngine(RolloutEngine):
                           version_spans=spans if spans and len(spans) > 1 else None,
                           routed_experts=routed)
 
-    def engine_pids(self) -> list[int]:
-        """Process ids of the engine-core subprocess(es); empty when the engine runs in process."""
+    def _engine_processes(self) -> list:
         client = self._llm.llm_engine.engine_core if self._llm is not None else None
         manager = getattr(getattr(client, "resources", None), "engine_manager", None)
-        return [p.pid for p in getattr(manager, "processes", [])]
+        return list(getattr(manager, "processes", []))
+
+    def _engine_alive(self) -> bool:
+        """False when an engine-core subprocess has ended (always True in process)."""
+        return all(p.is_alive() for p in self._engine_processes())
+
+    def engine_pids(self) -> list[int]:
+        """Process ids of the engine-core subprocess(es); empty when the engine runs in process."""
+        return [p.pid for p in self._engine_processes()]

@@ -13,9 +13,11 @@ This module adapts that stream for the engines:
   subprocess, the SGLang server) reload from it.
 - In-memory handover to an engine in another process: :func:`layer_buckets` cuts the stream into
   buckets that never split a decoder layer (vLLM re-processes a layer, e.g. re-quantizes it, once
-  all its tensors arrived in one reload call), :class:`BucketWriter` places a bucket in shared
-  memory (CPU) or one CUDA buffer (GPU) and returns a small picklable handle, and
-  :func:`load_bucket` maps that handle in the engine's worker without copying.
+  all its tensors arrived in one reload call), :func:`bucket_layout` places a bucket's tensors in
+  one flat byte buffer, :class:`BucketWriter` puts that buffer in shared memory (CPU) or one CUDA
+  buffer (GPU) and returns a small picklable handle, and :func:`load_bucket` maps that handle in
+  the engine's worker without copying. The broadcast transport
+  (:mod:`megatron_alp.rollout.weight_broadcast`) sends the same buffers through a process group.
 - :func:`mismatch_stats` compares engine and trainer logprobs of the same tokens: max and P98 of
   |log ratio| and the k3 estimate of KL(rollout || train), the quantities the paper tracks.
 """
@@ -97,13 +99,29 @@ def layer_buckets(weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
 _ALIGN = 64  # byte alignment of each tensor inside a bucket buffer
 
 
-def _layout(tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[tuple], int]:
+def bucket_layout(tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[tuple], int]:
+    """Where each tensor of a bucket goes in one flat byte buffer: ``(name, dtype, shape, offset,
+    nbytes)`` per tensor (offsets aligned to 64 bytes) and the buffer's size. The metadata is all
+    an engine needs to read the tensors back from the buffer (:func:`bucket_views`)."""
     metas, offset = [], 0
     for name, t in tensors:
         nbytes = t.numel() * t.element_size()
         metas.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, nbytes))
         offset += -(-nbytes // _ALIGN) * _ALIGN
     return metas, offset
+
+
+def pack_bucket(flat: torch.Tensor, tensors: Sequence[tuple[str, torch.Tensor]], metas: Sequence[tuple]) -> None:
+    """Copy the tensors into the uint8 buffer ``flat`` at the places :func:`bucket_layout` gave them."""
+    for (_, t), (*_, offset, nbytes) in zip(tensors, metas):
+        if nbytes:
+            flat[offset:offset + nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+
+
+def bucket_views(flat: torch.Tensor, metas: Sequence[tuple]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of a packed bucket as views of the uint8 buffer ``flat`` (no copy)."""
+    for name, dtype, shape, offset, nbytes in metas:
+        yield name, flat[offset:offset + nbytes].view(getattr(torch, dtype)).view(shape)
 
 
 class BucketWriter:
@@ -121,21 +139,19 @@ class BucketWriter:
         self._count = 0
 
     def pack(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> bytes:
-        metas, total = _layout(tensors)
+        metas, total = bucket_layout(tensors)
         if tensors and tensors[0][1].is_cuda:
             from torch.multiprocessing.reductions import reduce_tensor
 
             self._cuda = flat = torch.empty(max(total, 1), dtype=torch.uint8, device=tensors[0][1].device)
-            for (_, t), (*_, offset, nbytes) in zip(tensors, metas):
-                flat[offset:offset + nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+            pack_bucket(flat, tensors, metas)
             torch.cuda.current_stream(flat.device).synchronize()
             return pickle.dumps(("cuda", reduce_tensor(flat), metas))
         shm = self._segment(total)
-        for (_, t), (*_, offset, nbytes) in zip(tensors, metas):
-            if nbytes:
-                view = torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes, offset=offset)
-                view.copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
-                del view
+        if total:
+            flat = torch.frombuffer(shm.buf, dtype=torch.uint8, count=total)
+            pack_bucket(flat, tensors, metas)
+            del flat
         return pickle.dumps(("shm", shm.name, metas))
 
     def _segment(self, size: int) -> shared_memory.SharedMemory:
@@ -178,24 +194,19 @@ def load_bucket(handle: bytes, load: Callable[[Iterator[tuple[str, torch.Tensor]
     """The engine side: call ``load`` on the bucket's tensors, viewed in place (no copy); returns
     the bytes loaded. ``load`` must not keep the tensors (they alias the trainer's buffer)."""
     kind, ref, metas = pickle.loads(handle)
-
-    def views(buffer_view: Callable[[int, int], torch.Tensor]):
-        for name, dtype, shape, offset, nbytes in metas:
-            yield name, buffer_view(offset, nbytes).view(getattr(torch, dtype)).view(shape)
-
     if kind == "cuda":
         rebuild, args = ref
         args = list(args)
         args[6] = 0  # storage_device: the leader's GPU is the replica's first, device 0 here
         flat = rebuild(*args)
-        load(views(lambda offset, nbytes: flat[offset:offset + nbytes]))
+        load(bucket_views(flat, metas))
         torch.cuda.synchronize()
         del flat
     else:
         segment = _map_shm(ref)
         try:
             base = torch.frombuffer(segment, dtype=torch.uint8)
-            load(views(lambda offset, nbytes: base[offset:offset + nbytes]))
+            load(bucket_views(base, metas))
             del base
         finally:
             segment.close()

@@ -5,10 +5,11 @@ Usage:
       fp32 / bf16 / fp8 engines vs the fp32 Megatron model on each engine's own samples (prints the
       mismatch statistics); then a training-side weight change, a verified in-memory sync, an
       engine broken by a bad update and recovered by a resync.
-  torchrun --nproc_per_node 2 check_weight_sync.py sync MODEL_DIR NEW_DIR RESULT.json
+  torchrun --nproc_per_node 2 check_weight_sync.py sync MODEL_DIR NEW_DIR RESULT.json [METHOD]
       one engine (subprocess on rank 0; DP=1, so one replica) fed by TP=2 and then PP=2 trainers:
-      weight change, in-memory sync, engine logprobs equal Megatron's on every rank; a sync that
-      was skipped fails verification.
+      weight change, sync by METHOD (rollout.sync_method, default memory: shared-memory buckets;
+      broadcast: a gloo group of rank 0 and the engine's worker beside the trainer's default group),
+      engine logprobs equal Megatron's on every rank; a sync that was skipped fails verification.
 NEW_DIR is another model of the same architecture: loading it is the "training-side weight change".
 """
 
@@ -126,11 +127,12 @@ def mismatch(model_dir, new_dir, results):
     fp32.shutdown()
 
 
-def sync(model_dir, new_dir, results):
+def sync(model_dir, new_dir, results, method="memory"):
     from megatron.core import parallel_state as ps
 
     reinit(2, 1)
-    rollout = DistributedRollout(engine_cfg(verify_sync=True), str(model_dir), seed=0, scorer=probe_mismatch)
+    rollout = DistributedRollout(engine_cfg(verify_sync=True, sync_method=method), str(model_dir), seed=0,
+                                 scorer=probe_mismatch)
     if dist.get_rank() == 0:
         assert rollout.engine.engine_pids(), "under torchrun the engine runs in a subprocess"
     for tp, pp in ((2, 1), (1, 2)):
@@ -148,7 +150,8 @@ def sync(model_dir, new_dir, results):
             assert "weight sync verification failed" in str(err), err
         stats = rollout.sync_weights(model)
         if rollout.engine is not None:
-            assert rollout.engine.last_sync["path"] == "memory", rollout.engine.last_sync  # shared-memory buckets
+            assert rollout.engine.last_sync["path"] == method, rollout.engine.last_sync
+        dist.barrier()  # the trainer's default group still works beside the broadcast group
         engine_lp, megatron_lp, groups = trainer_vs_engine(rollout, model, n=4, max_tokens=16)
         same_on_all_ranks(groups)
         if ps.is_pipeline_last_stage():
@@ -163,9 +166,9 @@ def sync(model_dir, new_dir, results):
 
 
 def main():
-    mode, model_dir, new_dir, result_path = sys.argv[1:5]
+    mode, model_dir, new_dir, result_path, *method = sys.argv[1:]
     results = {}
-    {"mismatch": mismatch, "sync": sync}[mode](model_dir, new_dir, results)
+    {"mismatch": mismatch, "sync": sync}[mode](model_dir, new_dir, results, *method)
     if dist.get_rank() == 0:
         json.dump(results, open(result_path, "w"), indent=1)
     print("OK", mode, json.dumps(results), flush=True)
