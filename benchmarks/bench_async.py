@@ -1,21 +1,26 @@
-"""Synchronous colocated vs asynchronous separate training on the CPU quickstart, side by side.
+"""Synchronous colocated vs asynchronous separate training on the CPU quickstart model, side by side.
 
-Arms (each trains the quickstart model from the same warm-started base, seed and data order):
+Arms (each trains from the same warm-started base model, seed and data order):
 
 - ``sync``: colocated, ``trainer.max_staleness: 0``: generate, then train, then sync, in turn;
 - ``async``: ``rollout.placement: separate``, ``trainer.max_staleness: 1``: the engine generates
-  batch b+1 while the trainer updates on batch b;
-- ``async_tis`` (with ``--losses``): the same schedule with another loss (default Token-TIS).
+  batch b+1 while the trainer updates on batch b (weights by ``sync_method: broadcast``).
 
 In every arm the engine's threads are pinned to one core (``rollout.cpu_cores``) and the trainer
 to another (``os.sched_setaffinity`` on the trainer process), so the comparison measures the
-overlap, not a change in the cores each side computes on. Printed: median seconds per iteration
-(``timing/total_s``, first iteration excluded: engine warm-up) and their ratio (target: async <=
-0.7x sync), staleness, then for each loss under staleness 1 the importance-ratio envelope (P98 /
-P2 of the ratio the loss clips) and the train-vs-rollout KL (k3 estimate, unperturbed old policy vs
-the engine that sampled, staleness included), side by side with their ratios.
+overlap, not a change in the cores each side computes on. The timing runs on each ``--configs``
+entry: the single-turn quickstart, whose ~9-token answers make generation about a tenth of an
+iteration (the overlap can hide no more than that), and its multi-turn TIR variant, where the
+episodes (engine turns and sandboxed code) take about as long as the update. Printed: median
+seconds per iteration (``timing/total_s``, first iteration excluded: engine warm-up), the
+generation share of the synchronous iteration and the async / sync ratio (target: <= 0.7).
 
-    python benchmarks/bench_async.py                       # 10 iterations per arm, Token-ALP vs Token-TIS
+Then, on the first config under staleness 1, each of ``--losses`` (default Token-ALP vs
+Token-TIS): the importance-ratio envelope (P98 / P2 of the ratio the loss clips) and the
+train-vs-rollout KL (k3 estimate, unperturbed old policy vs the engine that sampled, staleness
+included), side by side with their ratios.
+
+    python benchmarks/bench_async.py                       # 10 iterations per arm
     python benchmarks/bench_async.py --iterations 20 --losses alp_token token_tis seq_bypass
 """
 
@@ -35,9 +40,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from compare_methods import print_side_by_side, summarize  # noqa: E402  (benchmarks/ is not a package)
 
+ASYNC = ["rollout.placement=separate", "trainer.max_staleness=1"]
 
-def train(run_dir: Path, base: Path | None, loss: str, overrides: list[str], args) -> list[dict]:
-    cmd = [sys.executable, "-m", "megatron_alp.cli", "train", str(args.config),
+
+def train(config: Path, run_dir: Path, base: Path | None, loss: str, overrides: list[str], args) -> list[dict]:
+    cmd = [sys.executable, "-m", "megatron_alp.cli", "train", str(config),
            f"trainer.output_dir={run_dir}", f"trainer.iterations={args.iterations}",
            f"trainer.save_interval={args.iterations}", "trainer.progress_bar=false", "trainer.tensorboard=false",
            "trainer.eval_interval=0", f"loss.name={loss}", "perturbation.enabled=null", "loss.clip_low=null",
@@ -53,12 +60,17 @@ def train(run_dir: Path, base: Path | None, loss: str, overrides: list[str], arg
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def median(rows: list[dict], key: str) -> float:
+    return statistics.median(r.get(key, 0.0) for r in rows[1:])
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", type=Path, default=ROOT / "configs" / "quickstart_cpu.yaml")
+    p.add_argument("--configs", type=Path, nargs="+",
+                   default=[ROOT / "configs" / "quickstart_cpu.yaml", ROOT / "configs" / "quickstart_tir_cpu.yaml"])
     p.add_argument("--iterations", type=int, default=10)
     p.add_argument("--losses", nargs="+", default=["alp_token", "token_tis"],
-                   help="losses compared under staleness 1 (the first also runs the sync arm)")
+                   help="losses compared under staleness 1 on the first config (the first also runs the timing)")
     cores = sorted(os.sched_getaffinity(0))
     p.add_argument("--trainer-core", type=int, default=cores[0])
     p.add_argument("--engine-core", type=int, default=cores[-1])
@@ -70,26 +82,30 @@ def main() -> int:
 
     root = args.out or Path(tempfile.mkdtemp(prefix="bench_async_"))
     first = args.losses[0]
-    sync = train(root / "sync", None, first, [], args)
-    base = root / "sync" / "base_model"
-    runs = {f"async:{loss}": train(root / f"async_{loss}", base, loss,
-                                   ["rollout.placement=separate", "trainer.max_staleness=1"], args)
-            for loss in args.losses}
+    timing, runs = [], {}
+    for config in args.configs:
+        name = config.stem
+        sync = train(config, root / f"{name}_sync", None, first, [], args)
+        base = root / f"{name}_sync" / "base_model"
+        runs[name] = {first: train(config, root / f"{name}_async_{first}", base, first, ASYNC, args)}
+        if config == args.configs[0]:
+            for loss in args.losses[1:]:
+                runs[name][loss] = train(config, root / f"{name}_async_{loss}", base, loss, ASYNC, args)
+        timing.append((name, sync, runs[name][first]))
 
-    def per_iteration(rows):
-        return statistics.median(r["timing/total_s"] for r in rows[1:])
+    print(f"\n{args.iterations} iterations per arm ({first}); trainer on core {args.trainer_core}, engine on core "
+          f"{args.engine_core}; medians over iterations 2..; runs in {root}")
+    print(f"{'config':<22}{'sync s/it':>10}{'generation':>12}{'async s/it':>12}{'staleness':>11}{'async/sync':>12}")
+    for name, sync, fast in timing:
+        s, a = median(sync, "timing/total_s"), median(fast, "timing/total_s")
+        share = median(sync, "timing/rollout_s") / s
+        print(f"{name:<22}{s:>10.2f}{share:>11.0%}{a:>12.2f}{max(r['staleness/max'] for r in fast):>11.0f}"
+              f"{a / s:>11.2f}x")
+    print("(target: async <= 0.7x sync; the overlap hides at most the generation share of an iteration)")
 
-    print(f"\n{args.iterations} iterations per arm; trainer on core {args.trainer_core}, engine on core "
-          f"{args.engine_core}; runs in {root}")
-    s, a = per_iteration(sync), per_iteration(runs[f"async:{first}"])
-    print(f"{'arm':<22}{'s/iteration':>12}{'staleness max':>15}{'rollout wait s':>16}")
-    for name, rows in {"sync (colocated)": sync, **runs}.items():
-        wait = statistics.median(r.get("timing/rollout_wait_s", r["timing/rollout_s"]) for r in rows[1:])
-        print(f"{name:<22}{per_iteration(rows):>12.2f}{max(r['staleness/max'] for r in rows):>15.0f}{wait:>16.2f}")
-    print(f"async / sync seconds per iteration ({first}): {a / s:.2f}x (target <= 0.7)")
-
-    print("\nunder staleness 1 (over the iterations):")
-    print_side_by_side({loss: summarize(runs[f"async:{loss}"]) for loss in args.losses}, args.losses)
+    name = args.configs[0].stem
+    print(f"\n{name} under staleness 1 (over the iterations):")
+    print_side_by_side({loss: summarize(rows) for loss, rows in runs[name].items()}, args.losses)
     return 0
 
 

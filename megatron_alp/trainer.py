@@ -295,8 +295,10 @@ class RLTrainer:
             if keep:  # separate placement: the engines compute on the other cores
                 os.sched_setaffinity(0, keep)
                 torch.set_num_threads(min(torch.get_num_threads(), len(keep)))
-        if self.max_staleness and cfg.tir.enabled and self.rollout.replica is not None and self.executor is None:
-            self.executor = SandboxExecutor(cfg.tir.sandbox)  # each replica leader runs its episodes' code
+        if self.max_staleness and cfg.tir.enabled and self.rollout.replica is not None:
+            if self.executor is None:
+                self.executor = SandboxExecutor(cfg.tir.sandbox)  # each replica leader runs its episodes' code
+            self.executor.cores = self.rollout.engine_cores
         if resumed or cfg.model.load is not None:
             self.rollout.sync_weights(self.policy_module, version=self.iteration)
 

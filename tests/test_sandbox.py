@@ -324,6 +324,20 @@ def test_bad_code_never_raises_and_every_signal_is_named(ex):
             assert getattr(signal, name) == sig, name
 
 
+def test_executions_run_on_the_cores_they_are_given():
+    """``executor.cores`` (asynchronous training on the CPU: the engine's cores) binds the executions
+    started from then on; None leaves them on this process's cores."""
+    cores = sorted(os.sched_getaffinity(0))
+    show = "import os; print(sorted(os.sched_getaffinity(0)))"
+    with SandboxExecutor(_cfg(workers=2)) as executor:
+        assert executor.run_many([show])[0].text.strip() == str(cores)
+        executor.cores = (cores[-1],)
+        assert [r.text.strip() for r in executor.run_many([show, show, show])] == [str([cores[-1]])] * 3
+        executor.cores = None
+        assert [r.text.strip() for r in executor.run_many([show, show])] == [str(cores)] * 2
+    assert sorted(os.sched_getaffinity(0)) == cores  # this process keeps its own
+
+
 def test_parallel_executions_are_bounded(ex):
     """Each execution reports when it ran; at most `workers` (2) ever overlap, and some do."""
     results = ex.run_many(["import time\nt = time.time()\ntime.sleep(0.3)\nprint(t, time.time())"] * 6)

@@ -131,6 +131,8 @@ class DistributedRollout:
         self.replica = self.layout.replica_of(self.rank)
         self.engine: Optional[RolloutEngine] = None
         self.producer: Optional[RolloutProducer] = None
+        # separate placement on the CPU: this leader's engine cores, where its rollout-side work runs too
+        self.engine_cores: Optional[tuple[int, ...]] = None
         self._models = None
         self._response_len: Optional[float] = None  # mean response length seen (balancing)
         self._stats = self._fresh_stats()
@@ -140,8 +142,11 @@ class DistributedRollout:
                 local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
                 placement = engine_placement(cfg, self.layout, self.rank, local_rank, local_world, has_gpu())
                 self.engine = build_engine(cfg, model_dir, seed, placement)
+                if cfg.placement == "separate" and placement is not None:
+                    self.engine_cores = placement.cores
                 if background:
-                    self.producer = RolloutProducer(self.engine, version, partial_rollouts=cfg.partial_rollout)
+                    self.producer = RolloutProducer(self.engine, version, partial_rollouts=cfg.partial_rollout,
+                                                    cores=self.engine_cores)
             except Exception as err:
                 error = err
         self._check(self._gather(_picklable(error)), error, "starting the rollout engine")

@@ -16,6 +16,7 @@ continues the stopped sequences. Nothing else touches the engine while a job is 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections import deque
 from concurrent.futures import Future
@@ -25,8 +26,12 @@ from megatron_alp.rollout.base import EngineRestarted, RolloutEngine, RolloutErr
 
 
 class RolloutProducer:
-    def __init__(self, engine: RolloutEngine, version: int, partial_rollouts: bool = False):
+    def __init__(self, engine: RolloutEngine, version: int, partial_rollouts: bool = False,
+                 cores: tuple[int, ...] | None = None):
+        """``cores``: the CPU cores of the producer's thread (the engine client's work and whatever
+        a job runs, e.g. multi-turn episodes; None: this process's)."""
         self.engine = engine
+        self.cores = cores
         self.version = version  # the weight version the engine holds
         self._cond = threading.Condition()
         self._jobs: deque[tuple[Callable[[RolloutEngine], Any], Future]] = deque()
@@ -57,6 +62,8 @@ class RolloutProducer:
         return self.submit(work).result()
 
     def _loop(self) -> None:
+        if self.cores is not None:
+            os.sched_setaffinity(0, self.cores)  # this thread only
         while True:
             with self._cond:
                 while not self._closed and (not self._jobs or self._update):

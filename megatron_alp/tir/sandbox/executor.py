@@ -169,6 +169,10 @@ class SandboxExecutor:
         self._pool = ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="sandbox")
         self._base_dir = base_dir
         self._base: Optional[str] = None
+        # CPU cores the executions run on (None: those this process had when the executor started).
+        # Asynchronous training on the CPU sets the engines' cores: code runs on the rollout side.
+        self.cores: Optional[tuple[int, ...]] = None
+        self._start_cores = tuple(sorted(os.sched_getaffinity(0)))
         self.setup_notes: list[str] = []
         self.protections: frozenset[str] = frozenset()
         try:
@@ -293,6 +297,8 @@ class SandboxExecutor:
         }
         # the root path starts as root; otherwise, as root, the process starts as the slot's uid
         as_uid = {} if uid is None or self._mode == "root" else {"user": uid, "group": uid, "extra_groups": []}
+        # this pool thread's affinity, which the execution's process inherits
+        os.sched_setaffinity(0, self.cores if self.cores is not None else self._start_cores)
         proc = None
         try:
             proc = subprocess.Popen(
