@@ -7,6 +7,7 @@ statistics themselves.
 
 import json
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -198,6 +199,34 @@ def test_shared_memory_bucket_reaches_another_process_intact(tmp_path):
     assert not Path(f"/dev/shm/{name}").exists()
     writer.close()
     assert not Path(f"/dev/shm/{pickle.loads(handle2)[1]}").exists()
+
+
+def test_a_killed_writers_segment_is_removed_by_the_next_writer():
+    """A trainer killed by SIGKILL leaves its bucket segment in /dev/shm; the next writer with the
+    same prefix unlinks it, and never touches a live writer's."""
+    import subprocess
+    import sys
+
+    prefix = "megatron-alp-orphan-test"
+    code = ("import sys, torch; from megatron_alp.rollout.weight_sync import BucketWriter; "
+            f"w = BucketWriter(prefix={prefix!r}); print(w.pack([('x', torch.ones(1000))]).hex(), flush=True); "
+            "sys.stdin.read()")
+    victim = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    orphan = pickle.loads(bytes.fromhex(victim.stdout.readline().strip()))[1]
+    live = BucketWriter(prefix=prefix)
+    live.pack([("y", torch.ones(10))])
+    mine = live._shm.name
+    assert Path(f"/dev/shm/{orphan}").exists()
+    BucketWriter(prefix=prefix)  # the victim is alive: its segment stays
+    assert Path(f"/dev/shm/{orphan}").exists()
+    import psutil
+
+    for proc in [psutil.Process(victim.pid), *psutil.Process(victim.pid).children(recursive=True)]:
+        proc.kill()  # the whole job, its resource tracker too (which would unlink the segment at its exit)
+    victim.wait()
+    BucketWriter(prefix=prefix)
+    assert not Path(f"/dev/shm/{orphan}").exists() and Path(f"/dev/shm/{mine}").exists()
+    live.close()
 
 
 @pytest.mark.gpu

@@ -134,6 +134,7 @@ class BucketWriter:
 
     def __init__(self, prefix: str = "megatron-alp"):
         self.prefix = f"{prefix}-{os.getpid()}"
+        remove_orphaned_segments(prefix)
         self._shm: shared_memory.SharedMemory | None = None
         self._cuda: torch.Tensor | None = None
         self._count = 0
@@ -177,6 +178,38 @@ class BucketWriter:
     def close(self) -> None:
         self._release_shm()
         self._cuda = None
+
+
+def remove_orphaned_segments(prefix: str, root: str = "/dev/shm") -> list[str]:
+    """Unlink the bucket segments (``<prefix>-<pid>-<n>``) of writers whose process is gone: a
+    trainer killed by SIGKILL never unlinks its segment, which would hold up to
+    ``rollout.sync_bucket_mb`` of memory until the machine reboots. Returns the names removed."""
+    pattern = re.compile(re.escape(prefix) + r"-(\d+)-\d+")
+    removed = []
+    try:
+        names = os.listdir(root)
+    except OSError:  # no /dev/shm on this platform: nothing to clean
+        return removed
+    for name in names:
+        m = pattern.fullmatch(name)
+        if m is None or _alive(int(m.group(1))):
+            continue
+        try:
+            os.unlink(os.path.join(root, name))
+            removed.append(name)
+        except OSError:  # removed meanwhile, or not ours to remove
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
 
 
 def _map_shm(name: str) -> mmap.mmap:
