@@ -84,15 +84,19 @@ def test_the_terminal_shows_only_our_lines(quickstart_run):
 
 
 def test_tir_quickstart_runs_the_models_code(tmp_path):
-    """A few iterations of the multi-turn quickstart (real vLLM, the sandbox, Seq-ALP): the
-    warm-started model writes code, the sandbox runs it, and some episodes end with the right answer."""
+    """A few iterations of the multi-turn quickstart (real vLLM, the sandbox, Seq-ALP), trained
+    asynchronously (max_staleness=1): the replica leader runs its share's whole episodes (engine
+    turns and its own sandbox) in the background. The warm-started model writes code, the sandbox runs
+    it, and some episodes end with the right answer; each batch after the first is one version old."""
     run = tmp_path / "tir"
     # a shorter warm start: the episode format is learnt, copying the problem into the code not yet
     rc, out = train(run, "trainer.iterations=3", "trainer.prompts_per_iteration=8", "trainer.save_interval=3",
-                    "trainer.sft_warmup_steps=100", config=QUICKSTART_TIR)
+                    "trainer.sft_warmup_steps=100", "rollout.placement=separate", "trainer.max_staleness=1",
+                    config=QUICKSTART_TIR)
     assert rc == 0, out[-6000:]
     m = metrics(run)
     assert [r["iteration"] for r in m] == [0, 1, 2]
+    assert [r["staleness/max"] for r in m] == [0, 1, 1]
     for r in m:
         assert r["tir/executions_mean"] > 0.25 and r["tir/status_frac/ok"] > 0.5, r  # its code ran and printed
         assert 1 <= r["tir/turns_mean"] <= 3 and 0 <= r["tir/void_turn_frac"] < 0.5, r  # max_turns: 2
@@ -348,20 +352,6 @@ def test_dynamic_sampling_fills_asynchronous_batches(dynamic_sampling_run, tmp_p
     assert 0 < r["staleness/mean"] <= 1 and (r["staleness/mean"] == 1 or r["dynamic_sampling/rounds"] > 0), r
 
 
-def test_async_multi_turn_episodes_run_on_the_replica_leader(tmp_path):
-    """max_staleness=1 with TIR: each replica leader runs its share's whole episodes (engine turns
-    and its own sandbox) in the background; the batch trained at iteration 1 is one version old."""
-    run = tmp_path / "tir_async"
-    rc, out = train(run, "trainer.iterations=2", "trainer.prompts_per_iteration=8", "trainer.save_interval=2",
-                    "trainer.sft_warmup_steps=100", *SEPARATE, "trainer.max_staleness=1", config=QUICKSTART_TIR)
-    assert rc == 0, out[-6000:]
-    m = metrics(run)
-    assert [r["staleness/max"] for r in m] == [0, 1]
-    for r in m:
-        assert r["tir/executions_mean"] > 0.25 and r["tir/status_frac/ok"] > 0.5, r  # its code ran and printed
-        assert "loss/policy" in r, r
-
-
 def test_sigkill_mid_async_iteration_resumes(tmp_path):
     """max_staleness=1: a SIGKILL while the next batch is generating loses nothing that was trained
     on. The checkpoint restarts the prompt sampler before the batch that was in flight (drawn again
@@ -424,17 +414,18 @@ def test_warm_start_leaves_out_the_box_on_a_fraction_of_prompts(tmp_path):
         warmup_examples(prompts, tok, "tir", unboxed=0.5)
 
 
-def test_async_quickstart_reward_rises(tmp_path):
+def test_async_quickstart_reward_rises(quickstart_run, tmp_path):
     """The quickstart task trained asynchronously (max_staleness=1, the engine on its own core) for
-    16 iterations: the reward of the last 5 is at least 1.5x that of the first 5 (seed 1: 0.078 ->
-    0.24; the full 40-iteration runs for several seeds are the slow test below)."""
+    12 iterations: the reward of the last 5 is at least 1.5x that of the first 5 (seed 1: 0.078 ->
+    0.18; the full 40-iteration runs for several seeds are the slow test below)."""
     run = tmp_path / "async"
-    rc, out = train(run, "trainer.iterations=16", "trainer.prompts_per_iteration=32", "trainer.updates_per_iteration=4",
+    shutil.copytree(quickstart_run / "base_model", run / "base_model")  # the same warm start, not run again
+    rc, out = train(run, "trainer.iterations=12", "trainer.prompts_per_iteration=32", "trainer.updates_per_iteration=4",
                     "trainer.eval_interval=0", "trainer.save_interval=16", *SEPARATE, "trainer.max_staleness=1")
     assert rc == 0, out[-6000:]
     m = metrics(run)
     reward = [r["reward/mean"] for r in m]
-    assert [r["staleness/max"] for r in m] == [0] + [1] * 15
+    assert [r["staleness/max"] for r in m] == [0] + [1] * 11
     assert sum(reward[-5:]) >= 1.5 * sum(reward[:5]), reward
 
 
