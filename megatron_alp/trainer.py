@@ -66,6 +66,7 @@ def run(args) -> int:
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)
         if int(os.environ.get("RANK", "0")) == 0:
             say(f"megatron-alp: engine and library output goes to {log}")
+        forks_die_with_their_parent()
         trainer = RLTrainer(cfg)
         try:
             trainer.setup()
@@ -713,13 +714,14 @@ def lock_run_dir(run_dir: Path):
     checkpoints, e.g. a resume started while the killed job's workers still run (torchrun starts
     each worker in its own session, so killing the launcher's process group leaves them alive).
     The kernel drops the lock when the process dies, even by SIGKILL, so a crash never leaves a
-    stale lock behind."""
+    stale lock behind. It is a POSIX record lock, which a forked child does not inherit (an flock
+    would stay held by a child that outlived the trainer, e.g. a checkpoint writer)."""
     import fcntl
 
     f = open(run_dir / ".lock", "a+")
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
         f.seek(0)
         holder = f.read().strip() or "unknown"
         f.close()
@@ -732,6 +734,30 @@ def lock_run_dir(run_dir: Path):
     f.write(str(os.getpid()))
     f.flush()
     return f
+
+
+_forking_parent = None
+
+
+def forks_die_with_their_parent() -> None:
+    """Every child forked (not exec'd) from this process from now on, and from its forked children,
+    is killed when its parent dies. Megatron's checkpoint save forks a writer per bucket; a trainer
+    killed during a save would otherwise leave those copies of itself blocked on a pipe forever,
+    holding its memory and open files."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def before():
+        global _forking_parent
+        _forking_parent = os.getpid()
+
+    def in_child():
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != _forking_parent:  # the parent died before the line above
+            os._exit(1)
+
+    os.register_at_fork(before=before, after_in_child=in_child)
 
 
 def _fault_injection(ckpt_dir: Path) -> None:

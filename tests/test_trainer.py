@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from megatron_alp.config import InputError
 from megatron_alp.parallel import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,6 +139,44 @@ def test_sigkill_during_save_and_training_resumes_to_the_same_metrics(tmp_path):
         _same_metrics(a, b)
 
 
+def test_the_run_lock_and_forked_children_die_with_the_trainer(tmp_path):
+    """A trainer killed while a child it forked (a checkpoint writer) still runs: the child dies with
+    it, and even a child that survived would not hold the run directory's lock."""
+    import psutil
+
+    from megatron_alp.trainer import lock_run_dir
+
+    code = ("import os, sys, time; from pathlib import Path; "
+            "from megatron_alp.trainer import forks_die_with_their_parent, lock_run_dir; "
+            "forks_die_with_their_parent(); lock = lock_run_dir(Path(sys.argv[1])); "
+            "pid = os.fork()\n"
+            "if pid == 0: time.sleep(600)\n"
+            "print(pid, flush=True); time.sleep(600)")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    trainer = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env)
+    child = psutil.Process(int(trainer.stdout.readline()))
+    with pytest.raises(InputError, match=f"in use by another training process \\(pid {trainer.pid}\\)"):
+        lock_run_dir(tmp_path)
+    trainer.kill()
+    trainer.wait()
+    child.wait(timeout=10)  # killed with its parent
+    lock_run_dir(tmp_path).close()
+
+    # a forked child that outlives the lock holder does not keep the lock
+    code = ("import os, sys, time; from pathlib import Path; from megatron_alp.trainer import lock_run_dir; "
+            "lock = lock_run_dir(Path(sys.argv[1])); pid = os.fork()\n"
+            "if pid == 0: time.sleep(600)\n"
+            "print(pid, flush=True)")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env)
+    orphan = psutil.Process(int(holder.stdout.readline()))
+    holder.wait(timeout=60)  # the lock holder exits; its child lives on
+    try:
+        assert orphan.is_running()
+        lock_run_dir(tmp_path).close()
+    finally:
+        orphan.kill()
+
+
 def kill_after_two_iterations(run: Path, *overrides: str) -> None:
     """Start a run and SIGKILL every process of it once it has logged two iterations."""
     proc = train(run, *overrides, wait=False)
@@ -224,7 +263,7 @@ def test_bad_inputs_fail_early_with_clear_errors(tmp_path):
     with open(busy / ".lock", "w") as lock:
         lock.write(str(os.getpid()))
         lock.flush()
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        fcntl.lockf(lock, fcntl.LOCK_EX)
         rc, out = train(busy)
     assert rc != 0 and f"is in use by another training process (pid {os.getpid()})" in out, out[-3000:]
 
