@@ -199,8 +199,27 @@ class PerturbationConfig(_Section):
         description="One sigma per layer (`scalar`, the paper's choice and its official code's) or one per "
         "hidden dimension of each layer (`vector`, an option).",
     )
-    init_std: float = Field(
-        1e-4, ge=0.0, description="Initial sigma. 0 reproduces the unperturbed model exactly."
+    init_std: Union[float, Literal["auto"]] = Field(
+        1e-4,
+        description="Initial sigma. 0 reproduces the unperturbed model exactly. `auto`: calibrated before the first "
+        "update from the measured mismatch (megatron_alp/calibration.py): on the first iteration's rollouts, "
+        "each layer's sigma is set to one global scale times the RMS of that layer's input, the scale chosen "
+        "so that KL(unperturbed || perturbed training policy) is `calibration_target` times the measured "
+        "KL(engine || training policy) (both k3 estimates over the batch's response tokens); sigma is learned "
+        "from there.",
+    )
+    calibrate_every: int = Field(
+        0,
+        ge=0,
+        description="With `init_std: auto`: calibrate again every this many iterations (at iterations k, 2k, ...; "
+        "the learned sigmas are overwritten, their Adam moments kept). 0: only before the first iteration.",
+    )
+    calibration_target: float = Field(
+        1.0,
+        gt=0.0,
+        description="With `init_std: auto`: the perturbed policy's KL to the unperturbed one, as a multiple of the "
+        "measured engine-training KL. The paper's bound (section 3) wants sigma large enough to cover the "
+        "engine's disturbance and small enough to keep the policy: 1 makes the two divergences equal.",
     )
     lr: float = Field(5e-4, ge=0.0, description="Learning rate of the sigma parameters (own group).")
     weight_decay: float = Field(
@@ -228,6 +247,19 @@ class PerturbationConfig(_Section):
         "null: `fixed` with a routing replay, `follow` without. `moe/noise_flip_frac` logs how often the noise "
         "changes the router's own choice in either mode.",
     )
+
+    @field_validator("init_std", mode="before")
+    @classmethod
+    def _check_init_std(cls, v):
+        if v == "auto":
+            return v
+        try:
+            value = float(v)
+        except (TypeError, ValueError):
+            value = float("nan")
+        if not value >= 0.0:
+            raise ValueError("expected a number >= 0 or 'auto'")
+        return value
 
     @field_validator("layers")
     @classmethod
@@ -871,6 +903,12 @@ class Config(_Section):
                 f"perturbation.enabled: false with loss.name={self.loss.name}, which is ALP and needs the "
                 "perturbed forward (the unperturbed single-ratio baseline is seq_bypass)"
             )
+        if pert.calibrate_every and pert.init_std != "auto":
+            raise ValueError(f"perturbation.calibrate_every: {pert.calibrate_every} re-calibrates sigma, which needs "
+                             f"perturbation.init_std: auto (got {pert.init_std})")
+        if pert.init_std == "auto" and not pert.enabled:
+            raise ValueError(f"perturbation.init_std: auto calibrates the ALP noise, but loss.name={self.loss.name} "
+                             "runs unperturbed (perturbation.enabled is false)")
         self.loss.clip_low, self.loss.clip_high = spec.clip_range(self.loss)
         self._resolve_moe()
         if self.trainer.sft_warmup_steps and self.model.tiny is None:

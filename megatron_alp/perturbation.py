@@ -57,6 +57,10 @@ from megatron_alp.seeding import derive_seed
 
 NOISE_STREAM = "alp-perturbation-noise"
 
+#: Sigma of every site under ``init_std: auto`` until :mod:`megatron_alp.calibration` sets it (the
+#: default init_std): a model built for a checkpoint or a converter is then a valid ALP model.
+AUTO_PLACEHOLDER = 1e-4
+
 #: True (the default): sites regenerate ``eps`` in the backward (:class:`_RegeneratedNoise`). False:
 #: the original autograd graph, which saves ``eps``. Same noise and bit-identical gradients either
 #: way; the switch exists for the equality tests and ``benchmarks/bench_alp_overhead.py``, not as a
@@ -135,7 +139,8 @@ class PerturbationSite(torch.nn.Module):
         super().__init__()
         cfg = controller.cfg
         n = hidden_size if cfg.shape == "vector" else 1
-        init = math.log(cfg.init_std) if cfg.init_std > 0 else float("-inf")
+        std = AUTO_PLACEHOLDER if cfg.init_std == "auto" else cfg.init_std
+        init = math.log(std) if std > 0 else float("-inf")
         self.log_sigma = torch.nn.Parameter(torch.full((n,), init, dtype=torch.float32))
         # Attributes read by Megatron (grad reduction, grad-norm dedup) and by our optimizer groups.
         self.log_sigma.is_alp_sigma = True

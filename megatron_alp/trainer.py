@@ -537,6 +537,7 @@ class RLTrainer:
 
     def train_iteration(self) -> dict:
         from megatron_alp.advantages import group_advantages
+        from megatron_alp.calibration import calibrate_sigma, calibration_due
         from megatron_alp.dynamic_sampling import zero_variance
         from megatron_alp.metrics import StepMetrics
         from megatron_alp.optim import learning_rates
@@ -575,11 +576,19 @@ class RLTrainer:
         logprob_batching = Batching.for_logprobs(cfg.trainer)
         t0 = time.time()
         _reset_peak_memory()
-        if self.need_old:
+        calibrate = calibration_due(cfg.perturbation, self.iteration)
+        if self.need_old or calibrate:
             local.old_logprobs = compute_logprobs(self.policy, local, batching=logprob_batching,
                                                   temperature=temperature, pad_id=self.pad_id, fused=fused,
                                                   routing=self.routing.old)
         timing["timing/old_logprob_s"] = time.time() - t0
+        if calibrate:
+            t0 = time.time()
+            timing.update(calibrate_sigma(self.policy, local, cfg.perturbation, iteration=self.iteration,
+                                          batching=logprob_batching, temperature=temperature, pad_id=self.pad_id,
+                                          fused=fused, replay=self.routing.update.replay))
+            timing["timing/calibration_s"] = time.time() - t0
+            self._report_calibration(timing)
         t0 = time.time()
         if self.reference is not None:
             local.ref_logprobs = compute_logprobs(self.reference, local, batching=logprob_batching,
@@ -646,6 +655,17 @@ class RLTrainer:
                                                   / max(timing["timing/rollout_s"], 1e-9))
         self._dump_token_probs(local)
         return out
+
+    def _report_calibration(self, cal: dict) -> None:
+        from megatron_alp.perturbation import gather_sigma_stats
+
+        sigmas = [v for k, v in gather_sigma_stats(self.policy_module).items() if k.endswith("/mean") and k != "sigma/mean"]
+        if self.rank == 0 and sigmas:
+            say(f"sigma calibrated at iteration {self.iteration}: {cal['calibration/scale']:.3g} x layer-input RMS = "
+                f"{min(sigmas):.3g}..{max(sigmas):.3g}; KL(train || perturbed) {cal['calibration/perturbed_kl']:.3g} "
+                f"for a target of {cal['calibration/target_kl']:.3g} ({self.cfg.perturbation.calibration_target:g} x "
+                f"the engine-train KL {cal['calibration/train_engine_kl']:.3g}), "
+                f"{int(cal['calibration/evaluations'])} perturbed passes")
 
     def _from_last_stage(self, metrics: dict) -> dict:
         """Loss metrics live on the last pipeline stage; give every rank the same dict."""

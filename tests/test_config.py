@@ -18,7 +18,12 @@ def _minimal(**sections):
         (_minimal(loss={"name": "ppo"}), "loss.name: unknown policy loss 'ppo'"),
         (_minimal(loss={"dual_clip_c": 1.0}), "loss.dual_clip_c: dual clip c must be > 1"),
         (_minimal(loss={"clip_low": "x"}), "loss.clip_low: Input should be a valid number"),
-        (_minimal(perturbation={"init_std": -1}), "perturbation.init_std: Input should be greater than or equal to 0"),
+        (_minimal(perturbation={"init_std": -1}), "perturbation.init_std: expected a number >= 0 or 'auto' (got -1)"),
+        (_minimal(perturbation={"init_std": "often"}), "perturbation.init_std: expected a number >= 0 or 'auto'"),
+        (_minimal(perturbation={"calibrate_every": 5}), "perturbation.calibrate_every: 5 re-calibrates sigma, which "
+                                                        "needs perturbation.init_std: auto"),
+        (_minimal(loss={"name": "seq_bypass"}, perturbation={"init_std": "auto"}),
+         "perturbation.init_std: auto calibrates the ALP noise, but loss.name=seq_bypass runs unperturbed"),
         (_minimal(perturbation={"layers": "3-1"}), "perturbation.layers"),
         (_minimal(perturbation={"layers": "a-b"}), "expected an index like 3 or a range like 0-4"),
         (_minimal(perturbation={"shape": "matrix"}), "perturbation.shape"),

@@ -432,6 +432,28 @@ def test_validation_every_eval_interval_on_one_and_two_ranks(quickstart_run, tmp
     assert (run / "plots" / "reward.png").is_file()
 
 
+def test_auto_sigma_is_calibrated_before_the_first_update_and_every_k(quickstart_run, tmp_path):
+    """perturbation.init_std: auto on the quickstart (bf16 engine, fp32 trainer), calibrate_every 2,
+    target 2: iterations 0 and 2 calibrate on their own rollouts before their updates (the
+    calibration/* metrics, one terminal line each), the perturbed KL lands within the search's 2% of
+    2x the measured engine-training KL, and the sigmas trained from there are the calibrated ones,
+    not the 1e-4 placeholder (tests/test_calibration.py checks the target with fresh noise)."""
+    run = tmp_path / "auto"
+    shutil.copytree(quickstart_run / "base_model", run / "base_model")
+    rc, out = train(run, "trainer.iterations=3", "trainer.eval_interval=0", "trainer.save_interval=16",
+                    "perturbation.init_std=auto", "perturbation.calibrate_every=2",
+                    "perturbation.calibration_target=2")
+    assert rc == 0, out[-6000:]
+    m = metrics(run)
+    assert ["calibration/scale" in r for r in m] == [True, False, True]
+    for r in (m[0], m[2]):
+        assert r["calibration/train_engine_kl"] > 0
+        assert r["calibration/target_kl"] == pytest.approx(2 * r["calibration/train_engine_kl"])
+        assert r["calibration/perturbed_kl"] == pytest.approx(r["calibration/target_kl"], rel=0.021)
+    assert abs(math.log(m[0]["sigma/mean"] / 1e-4)) > 1, m[0]["sigma/mean"]
+    assert out.count("sigma calibrated at iteration") == 2
+
+
 def test_warm_start_leaves_out_the_box_on_a_fraction_of_prompts(tmp_path):
     """trainer.sft_warmup_unboxed: that fraction of the prompts (drawn with the seed) gets "The answer
     is 7." as its warm-start target, the others "The answer is \\boxed{7}."; the TIR format refuses it."""
