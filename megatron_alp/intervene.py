@@ -387,7 +387,7 @@ def format_table(report: dict) -> str:
 
     def row(name, tokens, x, y):
         return [name, str(tokens), f"{x['width']:.3e}", f"{y['width']:.3e}",
-                f"{y['width'] / x['width']:.2f}" if x["width"] > 0 else "-",
+                f"{y['width'] / x['width']:.4f}" if x["width"] > 0 else "-",
                 f"{x['p2']:+.2e}..{x['p98']:+.2e}", f"{y['p2']:+.2e}..{y['p98']:+.2e}"]
 
     lines = [header]
