@@ -19,6 +19,8 @@ COMMANDS = {
     "train": ("megatron_alp.trainer", "Run RL training (GRPO/ALP) from a YAML config."),
     "eval": ("megatron_alp.evaluate", "average@k / pass@k on math benchmarks."),
     "mismatch": ("megatron_alp.mismatch", "Training-inference mismatch of the config's engine settings (no training)."),
+    "intervene": ("megatron_alp.intervene", "One update from one checkpoint twice, with and without ALP noise: the "
+                  "log-ratio envelope after each (paper Figure 3)."),
     "plot": ("megatron_alp.plot", "Draw the diagnostic figures of a run directory."),
     "convert": ("checkpoint_tools.cli", "Convert and verify HF <-> Megatron checkpoints."),
     "smoke": ("megatron_alp.smoke", "Tiny model, one perturbed forward/backward (install check)."),

@@ -227,6 +227,21 @@ def format_table(report: dict) -> str:
                      for r in lines)
 
 
+def draw_envelope(ax, bins: list[dict], color: str = "tab:blue") -> None:
+    """The conditional envelope of log r on ``ax``: per engine-probability bucket of ``bins`` (a
+    report's ``by_probability``), P2-P98 light, P25-P75 dark and the median, with a zero line."""
+    x = np.arange(len(bins))
+    q = {k: np.array([b["log_ratio"][k] if b["tokens"] else np.nan for b in bins]) for k in ENVELOPE}
+    ax.fill_between(x, q["p2"], q["p98"], color=color, alpha=0.2, label="P2-P98")
+    ax.fill_between(x, q["p25"], q["p75"], color=color, alpha=0.4, label="P25-P75")
+    ax.plot(x, q["p2"], "_", x, q["p98"], "_", color=color, ms=14)  # visible where a bucket stands alone
+    ax.plot(x, q["p50"], "o-", color=color, lw=1.2, label="median")
+    ax.axhline(0.0, color="black", lw=0.8, ls="--")
+    ax.set_xticks(x, [f"{b['bin']}\n{b['tokens']} tok" for b in bins])
+    ax.set_xlabel("rollout-engine token probability")
+    ax.grid(True, alpha=0.3)
+
+
 def draw_figure(report: dict, train: torch.Tensor, rollout: torch.Tensor, path: Path) -> None:
     """Left: P2-P98 and P25-P75 of log r with the median, per engine-probability bucket (the
     paper's conditional envelope). Right: training vs rollout probability of every token (a seeded
@@ -239,19 +254,9 @@ def draw_figure(report: dict, train: torch.Tensor, rollout: torch.Tensor, path: 
     from megatron_alp.plot import probability_scatter
 
     fig, (env, sc) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [1.4, 1]})
-    bins = report["by_probability"]
-    x = np.arange(len(bins))
-    q = {k: np.array([b["log_ratio"][k] if b["tokens"] else np.nan for b in bins]) for k in ENVELOPE}
-    env.fill_between(x, q["p2"], q["p98"], color="tab:blue", alpha=0.2, label="P2-P98")
-    env.fill_between(x, q["p25"], q["p75"], color="tab:blue", alpha=0.4, label="P25-P75")
-    env.plot(x, q["p2"], "_", x, q["p98"], "_", color="tab:blue", ms=14)  # visible where a bucket stands alone
-    env.plot(x, q["p50"], "o-", color="tab:blue", lw=1.2, label="median")
-    env.axhline(0.0, color="black", lw=0.8, ls="--")
-    env.set_xticks(x, [f"{b['bin']}\n{b['tokens']} tok" for b in bins])
-    env.set_xlabel("rollout-engine token probability")
+    draw_envelope(env, report["by_probability"])
     env.set_ylabel("log ratio  log(pi_train / pi_rollout)")
     env.set_title("Log-ratio envelope by token probability")
-    env.grid(True, alpha=0.3)
     env.legend(fontsize=8)
 
     probability_scatter(sc, train.double().exp().numpy(), rollout.double().exp().numpy(), SCATTER_POINTS,

@@ -1,0 +1,505 @@
+"""`megatron-alp intervene CONFIG [KEY=VALUE ...] --checkpoint CKPT`: one policy update from one
+checkpoint, applied twice, with and without ALP noise, and the log-ratio envelope after each (the
+paper's controlled one-step intervention, Figure 3 middle/right).
+
+Training shows the envelope of log r = log pi_train - log pi_rollout narrowing under ALP over a
+whole run, where every later batch already depends on the method. This command isolates one
+update: the rollout engine (the config's ``rollout`` settings, holding the checkpoint's weights)
+samples ``rollout.sampling.n`` responses to ``--prompts`` training prompts, rewarded by the config's
+reward with GRPO advantages (``advantage``), and each of two arms (``--compare A:B``, each
+``LOSS`` or ``LOSS@SIGMA``) takes ONE optimizer step on that whole batch from the same starting
+point: the checkpoint's weights (and sigmas), a fresh optimizer (zero Adam moments: the same
+optimizer state for both arms, since a checkpoint's moments belong to its own run's losses), the
+same seeds, the same old and reference logprobs (unperturbed: the reference is the checkpoint
+itself). The arms differ only in the loss and in whether the update's forward is perturbed (an
+arm's model has perturbation sites exactly when its loss is registered ``perturbed``;
+``@SIGMA`` sets every site's sigma after loading, ``@0`` being exactly the unperturbed update).
+The update uses the peak ``optimizer.lr`` (no warmup).
+
+Each updated policy is then scored, unperturbed, on the same tokens, and measured against the
+engine's logprobs as ``megatron-alp mismatch`` measures (:func:`~megatron_alp.mismatch.mismatch_report`):
+by engine token probability, with the envelope quantiles P2..P98. ``--seeds N`` repeats all this
+on N prompt selections (seed, seed + 1, ...): ``before`` (the checkpoint against the engine), ``after``
+(each updated policy against the engine), ``shift`` (each updated policy against the checkpoint)
+and the update's clip fractions and ratio quantiles, per arm and seed; the summary counts the
+(seed, bin) pairs where A's envelope width P98 - P2 is narrower than B's.
+
+Writes ``OUT/intervene.json``, ``OUT/intervene.png`` and ``OUT/engine.log``, and prints a table. One
+process, unsharded (TP = PP = 1), like ``megatron-alp mismatch``; docs/mismatch.md explains it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from megatron_alp.config import Config, InputError, load_config
+from megatron_alp.console import library_output_to, say
+from megatron_alp.evaluate import resolve_model
+from megatron_alp.metrics import StepMetrics
+from megatron_alp.mismatch import ENVELOPE, _json_ready, _positive, describe, draw_envelope, mismatch_report, token_stats
+from megatron_alp.policy_loss import POLICY_LOSSES, needs_ref_logprobs
+
+MIN_BIN_TOKENS = 10  # a (seed, bin) enters the comparison with at least this many tokens
+UPDATE_KEYS = ("clip/low_frac", "clip/high_frac", "clip/dual_frac", "ratio/p2", "ratio/p50", "ratio/p98",
+               "ratio_loss/p2", "ratio_loss/p98", "loss/policy", "loss/total", "entropy/mean")
+
+
+# ---------------------------------------------------------------------------------------- arms
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """One side of the comparison: a registered loss, and optionally the sigma every perturbation
+    site is set to after loading (None: the checkpoint's sigmas, else ``perturbation.init_std``)."""
+
+    name: str  # as written on the command line, e.g. ``alp_token@0``
+    loss: str
+    sigma: Optional[float] = None
+
+
+def parse_arm(text: str) -> Arm:
+    loss, at, value = text.strip().partition("@")
+    if loss not in POLICY_LOSSES:
+        raise InputError(f"--compare: unknown loss {loss!r} in arm {text!r}; expected LOSS or LOSS@SIGMA with LOSS "
+                         f"one of {sorted(POLICY_LOSSES)}")
+    if not at:
+        return Arm(text.strip(), loss)
+    if not POLICY_LOSSES[loss].perturbed:
+        raise InputError(f"--compare: arm {text!r} sets a sigma on {loss}, whose update is not perturbed; "
+                         "@SIGMA is for perturbed (alp_*) losses")
+    try:
+        sigma = float(value)
+    except ValueError:
+        sigma = math.nan
+    if not (math.isfinite(sigma) and sigma >= 0):
+        raise InputError(f"--compare: arm {text!r}: expected @SIGMA with SIGMA a number >= 0 (e.g. alp_token@0, "
+                         f"alp_token@1e-3), got {value!r}")
+    return Arm(text.strip(), loss, sigma)
+
+
+def parse_compare(text: Optional[str], cfg: Config) -> tuple[Arm, Arm]:
+    """``A:B`` as two arms; omitted: ``L:L@0`` with L the config's loss, when it is perturbed."""
+    if text is None:
+        loss = cfg.loss.name
+        if not POLICY_LOSSES[loss].perturbed:
+            raise InputError(f"--compare is needed: loss.name={loss} is not perturbed, so there is no noise to take "
+                             "away; name the arms, e.g. --compare alp_seq:seq_bypass or alp_token:alp_token@0")
+        return Arm(loss, loss), Arm(f"{loss}@0", loss, 0.0)
+    parts = text.split(":")
+    if len(parts) != 2 or not all(p.strip() for p in parts):
+        raise InputError(f"--compare: expected A:B with each arm LOSS or LOSS@SIGMA (e.g. alp_seq:seq_bypass), "
+                         f"got {text!r}")
+    a, b = (parse_arm(p) for p in parts)
+    if a.name == b.name:
+        raise InputError(f"--compare: both arms are {a.name!r}; compare two different arms")
+    return a, b
+
+
+def arm_config(path: str, overrides: list[str], arm: Arm) -> Config:
+    """The run config with the arm's loss, re-validated with ``perturbation.enabled`` following the
+    loss (clip defaults are the loss's own unless the config sets them) and no LR warmup: the one
+    step is taken at ``optimizer.lr``."""
+    return load_config(path, list(overrides) + [f"loss.name={arm.loss}", "perturbation.enabled=null",
+                                                "optimizer.lr_warmup_steps=0"])
+
+
+# ------------------------------------------------------------------------------------- measure
+
+
+def _checkpoint_kind(path: str) -> str:
+    from megatron_alp.dist_checkpoint import META_FILE
+
+    p = Path(path)
+    if (p / META_FILE).is_file():
+        return "megatron"
+    if (p / "config.json").is_file():
+        return "hf"
+    raise InputError(f"--checkpoint {p}: expected a megatron-alp checkpoint directory (RUN/checkpoints/iter_N, with "
+                     f"{META_FILE}) or a Hugging Face model directory (with config.json)")
+
+
+def _load_weights(model, checkpoint: str, kind: str, strict: bool) -> None:
+    if kind == "megatron":
+        from megatron_alp.dist_checkpoint import load_checkpoint
+
+        load_checkpoint(checkpoint, model, strict=strict)
+    else:
+        from megatron_alp.models.hf_weights import load_hf_weights
+
+        load_hf_weights(model, checkpoint)
+
+
+def _set_sigma(model, sigma: float) -> None:
+    from megatron_alp.perturbation import controller_of
+
+    with torch.no_grad():
+        for site in controller_of(model).sites:
+            site.log_sigma.fill_(math.log(sigma) if sigma > 0 else -math.inf)
+
+
+def _rollout_batch(cfg: Config, engine, reward_fn, dataset, *, prompts: int, seed: int, pad_id: int):
+    """One seed's batch as the trainer builds an iteration's: ``prompts`` training prompts drawn
+    with ``seed``, ``n`` samples each (per-sample seeds from ``seed`` where the config seeds them),
+    rewards (with the overlong punishment), GRPO advantages, truncated responses masked if asked."""
+    from megatron_alp.advantages import group_advantages
+    from megatron_alp.data import PromptSampler
+    from megatron_alp.platform import has_gpu
+    from megatron_alp.rewards.overlong import overlong_penalty
+    from megatron_alp.rl_batch import build_rl_batch, exclude_from_loss
+    from megatron_alp.rollout import SamplingParams, Trajectory
+
+    s, r = cfg.rollout.sampling, cfg.reward
+    chosen = PromptSampler(dataset, seed=seed, shuffle=True).next_batch(prompts)
+    seeded = s.per_sample_seeds if s.per_sample_seeds is not None else not has_gpu()
+    params = SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                            max_tokens=s.max_response_length, seed=seed if seeded else None)
+    t0 = time.time()
+    groups = engine.generate([p.prompt_ids for p in chosen], params)
+    seconds = time.time() - t0
+    trajectories = [Trajectory.from_completion(c) for g in groups for c in g]
+    truths = [chosen[i // s.n].ground_truth for i in range(len(trajectories))]
+    scores = reward_fn([t.response_text for t in trajectories], truths)
+    if r.overlong_buffer:
+        scores = [x + overlong_penalty(len(t.response_ids), s.max_response_length, r.overlong_buffer,
+                                       r.overlong_penalty) for x, t in zip(scores, trajectories)]
+    rewards = torch.tensor(scores, dtype=torch.float32)
+    advantages = group_advantages(rewards, s.n, cfg.advantage.norm_by_std, cfg.advantage.eps)
+    batch = build_rl_batch(trajectories, advantages, pad_id)
+    truncated = torch.tensor([t.finish_reason == "length" for t in trajectories])
+    if cfg.loss.mask_truncated:
+        exclude_from_loss(batch, truncated)
+    first = torch.tensor([len(t.prompt_ids) - 1 for t in trajectories])  # column of each response's first target
+    positions = torch.arange(batch.tokens.shape[1]).unsqueeze(0) - first.unsqueeze(1)
+    info = {"seed": seed, "prompts": len(chosen), "samples": len(trajectories), "generation_s": seconds,
+            "reward_mean": float(rewards.mean()), "groups_with_signal": int((advantages.view(-1, s.n) != 0).any(1).sum()),
+            "truncated_frac": float(truncated.float().mean()), "sampling_seed": params.seed}
+    return batch, positions, info
+
+
+def _update(arm: Arm, cfg: Config, batch, ref_lp, *, seed: int, checkpoint: str, kind: str, hf_args, pad_id: int):
+    """ARM's one step from the checkpoint on ``batch``: fresh model and optimizer, identically
+    seeded; returns old (unperturbed, before) and updated (unperturbed, after) logprobs, the update's
+    metrics and the sigma the update was perturbed with."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_alp.config import ParallelConfig
+    from megatron_alp.micro_batch import Batching
+    from megatron_alp.models.builder import build_gpt_model
+    from megatron_alp.optim import build_optimizer, wrap_for_training
+    from megatron_alp.perturbation import gather_sigma_stats
+    from megatron_alp.policy_update import compute_logprobs, train_mini_batch
+
+    parallel = ParallelConfig()
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    pert = cfg.perturbation.model_copy(update={"seed": cfg.perturbation.seed + seed})
+    model = build_gpt_model(hf_args, cfg.model, parallel, pert, moe=cfg.moe)
+    _load_weights(model, checkpoint, kind, strict=True)
+    if arm.sigma is not None:
+        _set_sigma(model, arm.sigma)
+    sigma = gather_sigma_stats(model).get("sigma/mean")
+    policy = wrap_for_training(model, parallel)
+    optimizer, _ = build_optimizer(policy, cfg.optimizer, pert, parallel, total_steps=1)
+    s, t = cfg.rollout.sampling, cfg.trainer
+    common = dict(temperature=s.temperature, pad_id=pad_id, fused=t.fused_linear_logprobs)
+    old = compute_logprobs(policy, batch, batching=Batching.for_logprobs(t), **common)
+    step_batch = dataclasses.replace(batch, old_logprobs=old, ref_logprobs=ref_lp if needs_ref_logprobs(cfg.loss) else None)
+    metrics = StepMetrics()
+    stats = train_mini_batch(policy, optimizer, step_batch, loss_cfg=cfg.loss, step=0, batching=Batching.for_update(t),
+                             metrics=metrics, **common)
+    after = compute_logprobs(policy, batch, batching=Batching.for_logprobs(t), **common)
+    reduced = metrics.reduce()
+    update = {k: reduced[k] for k in UPDATE_KEYS}
+    update.update(grad_norm=stats["grad_norm"], update_ok=stats["update_ok"], micro_batches=stats["micro_batches"])
+    return old, after, update, sigma
+
+
+def measure(cfg: Config, arms: dict[Arm, Config], *, checkpoint: str, model_dir: str, prompts: int, seeds: int,
+            seed: int) -> tuple[dict, dict]:
+    """Sample ``seeds`` batches with the engine, then give each arm its one update per batch;
+    returns the report and the flat per-token logprobs (per seed: ``rollout``, ``positions``,
+    and per arm ``old`` and ``after``)."""
+    import torch.distributed as dist
+
+    from megatron_alp.config import ParallelConfig
+    from megatron_alp.data import PromptDataset, load_tokenizer
+    from megatron_alp.micro_batch import Batching
+    from megatron_alp.models.builder import build_gpt_model
+    from megatron_alp.models.families import hf_to_megatron, load_hf_config
+    from megatron_alp.parallel import destroy_distributed, init_distributed
+    from megatron_alp.policy_update import compute_logprobs, probe_mismatch
+    from megatron_alp.rewards import build_reward
+    from megatron_alp.rollout import DistributedRollout
+
+    kind = _checkpoint_kind(checkpoint)
+    s = cfg.rollout.sampling
+    tokenizer = load_tokenizer(model_dir)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    dataset = PromptDataset.from_config(cfg.data, tokenizer, s.max_prompt_length, split="train").head(
+        cfg.data.max_train_prompts)
+    reward_fn = build_reward(cfg.reward)
+    parallel = ParallelConfig()
+    owns_groups = not dist.is_initialized()
+    init_distributed(parallel, seed=seed)
+    try:
+        hf_args = hf_to_megatron(load_hf_config(model_dir))
+        # the checkpoint, unperturbed: the engine's weights and the reference policy
+        reference = build_gpt_model(hf_args, cfg.model, parallel, moe=cfg.moe)
+        _load_weights(reference, checkpoint, kind, strict=False)
+        for p in reference.parameters():
+            p.requires_grad_(False)
+        engine = DistributedRollout(cfg.rollout, model_dir, seed=seed, scorer=probe_mismatch)
+        try:
+            if kind == "megatron":
+                engine.sync_weights(reference)
+            batches = [_rollout_batch(cfg, engine, reward_fn, dataset, prompts=prompts, seed=seed + i, pad_id=pad_id)
+                       for i in range(seeds)]
+        finally:
+            engine.shutdown()
+        per_seed, tokens = [], []
+        for batch, positions, info in batches:
+            keep = batch.loss_mask > 0
+            ref_lp = None
+            if any(needs_ref_logprobs(c.loss) for c in arms.values()):
+                ref_lp = compute_logprobs(reference, batch, batching=Batching.for_logprobs(cfg.trainer),
+                                          temperature=s.temperature, pad_id=pad_id,
+                                          fused=cfg.trainer.fused_linear_logprobs)
+            rollout, pos = batch.rollout_logprobs[keep], positions[keep]
+            flat = {"rollout": rollout, "positions": pos, "old": {}, "after": {}}
+            entry = {**info, "tokens": int(keep.sum()), "arms": {}}
+            for arm, arm_cfg in arms.items():
+                old, after, update, sigma = _update(arm, arm_cfg, batch, ref_lp, seed=info["seed"],
+                                                    checkpoint=checkpoint, kind=kind, hf_args=hf_args, pad_id=pad_id)
+                flat["old"][arm.name], flat["after"][arm.name] = old[keep], after[keep]
+                entry["arms"][arm.name] = {
+                    "sigma": sigma,
+                    "before": mismatch_report(old[keep], rollout, pos, s.max_response_length),
+                    "after": mismatch_report(after[keep], rollout, pos, s.max_response_length),
+                    "shift": token_stats(after[keep], old[keep], torch.ones_like(rollout, dtype=torch.bool)),
+                    "update": update,
+                }
+            per_seed.append(entry)
+            tokens.append(flat)
+    finally:
+        if owns_groups:
+            destroy_distributed()
+    names = [a.name for a in arms]
+    pooled = {k: torch.cat([t[k] for t in tokens]) for k in ("rollout", "positions")}
+    report = {
+        "checkpoint": str(checkpoint),
+        "checkpoint_kind": kind,
+        "model": str(model_dir),
+        "train_dtype": cfg.model.dtype,
+        "engine": {k: getattr(cfg.rollout, k) for k in ("engine", "dtype", "quantization", "kv_cache_dtype",
+                                                        "tensor_parallel_size")},
+        "sampling": {"n": s.n, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+                     "max_tokens": s.max_response_length},
+        "prompt_files": list(cfg.data.train_files),
+        "prompts": prompts,
+        "seeds": [e["seed"] for e in per_seed],
+        "arms": {a.name: {"loss": a.loss, "perturbed": POLICY_LOSSES[a.loss].perturbed, "sigma_set": a.sigma,
+                          "lr": c.optimizer.lr, "clip_low": c.loss.clip_low, "clip_high": c.loss.clip_high,
+                          "kl_coef": c.loss.kl_coef} for a, c in arms.items()},
+        "per_seed": per_seed,
+        "pooled": {
+            "before": mismatch_report(torch.cat([t["old"][names[0]] for t in tokens]), pooled["rollout"],
+                                      pooled["positions"], s.max_response_length)["by_probability"],
+            **{n: mismatch_report(torch.cat([t["after"][n] for t in tokens]), pooled["rollout"], pooled["positions"],
+                                  s.max_response_length)["by_probability"] for n in names},
+        },
+    }
+    report["summary"] = summarize(per_seed, names)
+    return report, {"per_seed": tokens}
+
+
+# ------------------------------------------------------------------------------------- summary
+
+
+def _width(stats: dict) -> float:
+    return stats["log_ratio"]["p98"] - stats["log_ratio"]["p2"]
+
+
+def summarize(per_seed: list[dict], names: list[str]) -> dict:
+    """Per probability bin, each arm's seed-mean P2, P98 and envelope width P98 - P2 after the
+    update over the seeds where the bin has >= ``MIN_BIN_TOKENS`` tokens; how often A's width is
+    narrower than B's, over (seed, bin) pairs and over bins on the seed-mean; and each arm's
+    all-token statistics, seed-mean."""
+    a, b = names
+    bins, narrower, pairs = [], 0, 0
+    for i, first in enumerate(per_seed[0]["arms"][a]["after"]["by_probability"]):
+        rows = [e["arms"] for e in per_seed if e["arms"][a]["after"]["by_probability"][i]["tokens"] >= MIN_BIN_TOKENS]
+        entry = {"bin": first["bin"], "tokens": sum(e["arms"][a]["after"]["by_probability"][i]["tokens"]
+                                                    for e in per_seed), "seeds": len(rows)}
+        if rows:
+            for n in names:
+                stats = [r[n]["after"]["by_probability"][i] for r in rows]
+                entry[n] = {"width": float(np.mean([_width(x) for x in stats])),
+                            **{k: float(np.mean([x["log_ratio"][k] for x in stats])) for k in ENVELOPE}}
+            before = [r[a]["before"]["by_probability"][i] for r in rows]
+            entry["before"] = {"width": float(np.mean([_width(x) for x in before]))}
+            pairs += len(rows)
+            narrower += sum(_width(r[a]["after"]["by_probability"][i]) < _width(r[b]["after"]["by_probability"][i])
+                            for r in rows)
+        bins.append(entry)
+    compared = [x for x in bins if x["seeds"]]
+    overall = {}
+    for n in names:
+        runs = [e["arms"][n] for e in per_seed]
+        overall[n] = {
+            "width": float(np.mean([_width(r["after"]["all"]) for r in runs])),
+            "kl_k3": float(np.mean([r["after"]["all"]["kl_k3"] for r in runs])),
+            "shift_kl_k3": float(np.mean([r["shift"]["kl_k3"] for r in runs])),
+            **{k: float(np.mean([r["update"][k] for r in runs])) for k in ("clip/low_frac", "clip/high_frac",
+                                                                            "clip/dual_frac", "grad_norm")},
+        }
+    overall["before"] = {"width": float(np.mean([_width(e["arms"][a]["before"]["all"]) for e in per_seed])),
+                         "kl_k3": float(np.mean([e["arms"][a]["before"]["all"]["kl_k3"] for e in per_seed]))}
+    return {"min_bin_tokens": MIN_BIN_TOKENS, "bins": bins, "all": overall,
+            "narrower_pairs": int(narrower), "pairs": pairs,
+            "narrower_bins": sum(x[a]["width"] < x[b]["width"] for x in compared), "bins_compared": len(compared)}
+
+
+# ------------------------------------------------------------------------------------- output
+
+
+def verdict(summary: dict, names: list[str]) -> str:
+    a, b = names
+    return (f"{a} narrower than {b} in {summary['narrower_pairs']} of {summary['pairs']} (seed, bin) pairs; "
+            f"in {summary['narrower_bins']} of {summary['bins_compared']} bins on the seed-mean")
+
+
+def format_table(report: dict) -> str:
+    """Per probability bin: tokens (all seeds), each arm's seed-mean envelope width P98 - P2 of log r
+    after the update, B/A, and each arm's seed-mean P2..P98; then the all-token lines."""
+    summary, names = report["summary"], list(report["arms"])
+    a, b = names
+    header = ["bin", "tokens", f"{a} width", f"{b} width", "B/A", f"{a} P2..P98", f"{b} P2..P98"]
+
+    def row(name, tokens, x, y):
+        return [name, str(tokens), f"{x['width']:.3e}", f"{y['width']:.3e}",
+                f"{y['width'] / x['width']:.4f}" if x["width"] > 0 else "-",
+                f"{x['p2']:+.2e}..{x['p98']:+.2e}", f"{y['p2']:+.2e}..{y['p98']:+.2e}"]
+
+    lines = [header]
+    for x in summary["bins"]:
+        if x["seeds"]:
+            lines.append(row(f"p {x['bin']}", x["tokens"], x[a], x[b]))
+        else:
+            lines.append([f"p {x['bin']}", str(x["tokens"])] + ["-"] * (len(header) - 2))
+    runs = report["per_seed"]
+    allq = {n: {"width": summary["all"][n]["width"], **{k: float(np.mean([e["arms"][n]["after"]["all"]["log_ratio"][k]
+                                                                          for e in runs])) for k in ("p2", "p98")}}
+            for n in names}
+    lines.append(row("all", sum(e["tokens"] for e in runs), allq[a], allq[b]))
+    widths = [max(len(r[i]) for r in lines) for i in range(len(header))]
+    table = "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                      for r in lines)
+    o = summary["all"]
+    clip = {n: "/".join(f"{o[n][k]:.4f}" for k in ("clip/low_frac", "clip/high_frac", "clip/dual_frac")) for n in names}
+    return "\n".join([
+        table,
+        f"k3 KL vs rollout after the update: {a} {o[a]['kl_k3']:.3e}, {b} {o[b]['kl_k3']:.3e} "
+        f"(before: {o['before']['kl_k3']:.3e}, all-token width {o['before']['width']:.3e})",
+        f"policy shift k3 (updated vs checkpoint): {a} {o[a]['shift_kl_k3']:.3e}, {b} {o[b]['shift_kl_k3']:.3e}",
+        f"clip fractions low/high/dual: {a} {clip[a]}, {b} {clip[b]}; grad norm: {a} {o[a]['grad_norm']:.3e}, "
+        f"{b} {o[b]['grad_norm']:.3e}",
+        verdict(summary, names),
+    ])
+
+
+def draw_figure(report: dict, path: Path) -> None:
+    """One panel per arm, side by side with a shared y-axis: the envelope of log r after the
+    update by engine-probability bucket, tokens pooled over seeds, with the checkpoint's own
+    (before) P2 and P98 as dashed grey lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["arms"])
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)
+    before = report["pooled"]["before"]
+    x = np.arange(len(before))
+    for ax, name, color in zip(axes, names, ("tab:blue", "tab:orange")):
+        draw_envelope(ax, report["pooled"][name], color=color)
+        for k in ("p2", "p98"):
+            ax.plot(x, [b["log_ratio"][k] if b["tokens"] else np.nan for b in before], ls="--", color="grey", lw=1,
+                    label="before P2, P98" if k == "p2" else None)
+        ax.set_title(name)
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("log ratio  log(pi_updated / pi_rollout)")
+    seeds = len(report["seeds"])
+    fig.suptitle(f"One update from {Path(report['checkpoint']).name}, {describe(report)}: {report['prompts']} prompts x "
+                 f"{report['sampling']['n']} samples x {seeds} seed{'s' * (seeds > 1)}\n"
+                 f"{verdict(report['summary'], names)}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------ command
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("config", help="run config (YAML): its model, optimizer, loss, perturbation, rollout, data, "
+                                       "reward and advantage sections are used")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="config overrides, e.g. optimizer.lr=1e-3 rollout.quantization=fp8_per_channel")
+    parser.add_argument("--checkpoint", required=True, metavar="CKPT",
+                        help="the starting point: a megatron-alp checkpoint (RUN/checkpoints/iter_N: weights and "
+                             "sigmas; replaces model.load) or a Hugging Face model directory")
+    parser.add_argument("--model", metavar="DIR",
+                        help="Hugging Face directory of the architecture and tokenizer (default: CKPT when it is one, "
+                             "else model.hf_path, else the run's base_model under trainer.output_dir)")
+    parser.add_argument("--compare", metavar="A:B",
+                        help="the two arms, each LOSS or LOSS@SIGMA (every perturbation site's sigma set to SIGMA; "
+                             "@0: no noise), e.g. alp_seq:seq_bypass or alp_token:alp_token@0 "
+                             "(default: L:L@0 with L = loss.name, when it is perturbed)")
+    parser.add_argument("--seeds", type=_positive, default=1, metavar="N",
+                        help="repeat on N prompt selections and rollout batches, seeded S, S+1, ... (default: 1)")
+    parser.add_argument("--prompts", type=_positive, metavar="N",
+                        help="training prompts per batch (default: trainer.prompts_per_iteration)")
+    parser.add_argument("--seed", type=int, metavar="S", help="base seed (default: trainer.seed)")
+    parser.add_argument("--out", metavar="DIR",
+                        help="output folder for intervene.json, intervene.png and engine.log "
+                             "(default: <trainer.output_dir>/intervene/<A>_vs_<B>)")
+
+
+def run(args) -> int:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise InputError("megatron-alp intervene runs in one process: start it without torchrun")
+    with warnings.catch_warnings(record=True) as held:
+        warnings.simplefilter("default")
+        cfg = load_config(args.config, args.overrides)
+        a, b = parse_compare(args.compare, cfg)
+        arms = {arm: arm_config(args.config, args.overrides, arm) for arm in (a, b)}
+        kind = _checkpoint_kind(args.checkpoint)
+    model_dir = resolve_model(cfg, args.model or (args.checkpoint if kind == "hf" else None))
+    seed = cfg.trainer.seed if args.seed is None else args.seed
+    prompts = args.prompts or cfg.trainer.prompts_per_iteration
+    out = Path(args.out) if args.out else Path(cfg.trainer.output_dir) / "intervene" / f"{a.name}_vs_{b.name}"
+    with library_output_to(out / "engine.log") as log:
+        for w in held:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+        say(f"megatron-alp intervene: engine and library output goes to {log}")
+        report, _ = measure(cfg, arms, checkpoint=args.checkpoint, model_dir=model_dir, prompts=prompts,
+                            seeds=args.seeds, seed=seed)
+        draw_figure(report, out / "intervene.png")
+    (out / "intervene.json").write_text(json.dumps(_json_ready(report), indent=2) + "\n")
+    rewards = ", ".join(f"{e['reward_mean']:.3f}" for e in report["per_seed"])
+    say(f"{describe(report)}: one update of {a.name} and of {b.name} from {args.checkpoint}, {prompts} prompts x "
+        f"{cfg.rollout.sampling.n} samples x {args.seeds} seed(s), {sum(e['tokens'] for e in report['per_seed'])} "
+        f"tokens; reward mean per seed {rewards}")
+    say(format_table(report))
+    say(f"written: {out / 'intervene.json'}, {out / 'intervene.png'}")
+    return 0
