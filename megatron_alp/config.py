@@ -89,8 +89,12 @@ class ParallelConfig(_Section):
     sequence_parallel: bool = Field(
         False, description="Shard activations along the sequence across TP ranks (requires TP > 1)."
     )
-    use_distributed_optimizer: bool = Field(
-        False, description="Shard optimizer states across data-parallel ranks (ZeRO-1)."
+    use_distributed_optimizer: Optional[bool] = Field(
+        None,
+        description="Shard optimizer states across data-parallel ranks (ZeRO-1). null (default): on for bf16/fp16 "
+        "models with ALP, off otherwise: Megatron-Core's non-distributed fp16 optimizer cannot checkpoint the fp32 "
+        "sigmas of a bf16 model (its sharded state dict maps only the fp16 parameters), so `false` is refused there; "
+        "with one data-parallel rank the distributed optimizer shards nothing.",
     )
 
     @model_validator(mode="after")
@@ -909,6 +913,14 @@ class Config(_Section):
         if pert.init_std == "auto" and not pert.enabled:
             raise ValueError(f"perturbation.init_std: auto calibrates the ALP noise, but loss.name={self.loss.name} "
                              "runs unperturbed (perturbation.enabled is false)")
+        half_with_sigmas = self.model.dtype != "float32" and pert.enabled
+        if self.parallel.use_distributed_optimizer is None:
+            self.parallel.use_distributed_optimizer = half_with_sigmas
+        elif half_with_sigmas and not self.parallel.use_distributed_optimizer:
+            raise ValueError(
+                f"parallel.use_distributed_optimizer: false with model.dtype={self.model.dtype} and ALP: Megatron-Core's "
+                "non-distributed fp16 optimizer cannot checkpoint the fp32 sigmas (the first save would fail); set it "
+                "true or leave it null (with one data-parallel rank it shards nothing)")
         self.loss.clip_low, self.loss.clip_high = spec.clip_range(self.loss)
         self._resolve_moe()
         if self.trainer.sft_warmup_steps and self.model.tiny is None:

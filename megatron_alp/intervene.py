@@ -7,14 +7,19 @@ whole run, where every later batch already depends on the method. This command i
 update: the rollout engine (the config's ``rollout`` settings, holding the checkpoint's weights)
 samples ``rollout.sampling.n`` responses to ``--prompts`` training prompts, rewarded by the config's
 reward with GRPO advantages (``advantage``), and each of two arms (``--compare A:B``, each
-``LOSS`` or ``LOSS@SIGMA``) takes ONE optimizer step on that whole batch from the same starting
-point: the checkpoint's weights (and sigmas), a fresh optimizer (zero Adam moments: the same
-optimizer state for both arms, since a checkpoint's moments belong to its own run's losses), the
-same seeds, the same old and reference logprobs (unperturbed: the reference is the checkpoint
-itself). The arms differ only in the loss and in whether the update's forward is perturbed (an
-arm's model has perturbation sites exactly when its loss is registered ``perturbed``;
-``@SIGMA`` sets every site's sigma after loading, ``@0`` being exactly the unperturbed update).
-The update uses the peak ``optimizer.lr`` (no warmup).
+``LOSS``, ``LOSS@SIGMA`` or ``LOSS@auto``) takes ONE optimizer step on that whole batch from the
+same starting point: the checkpoint's weights (and sigmas), the same optimizer state, the same
+seeds, the same old and reference logprobs (unperturbed: the reference is the checkpoint itself).
+The optimizer state is the checkpoint's when it has one (``--optimizer-state checkpoint``, the
+default for a checkpoint saved by training: the step is the one training would take next, Adam
+moments included), else fresh (zero moments; Adam's first step then moves every weight by about
+the learning rate whatever its gradient's size, so the arms differ only through the gradients'
+signs). The arms differ only in the loss and in whether the update's forward is perturbed (an
+arm's model has perturbation sites when its loss is registered ``perturbed``, and, at sigma 0,
+whenever the checkpoint's optimizer state holds sigma moments; ``@SIGMA`` sets every site's sigma
+after loading, ``@0`` being exactly the unperturbed update; ``@auto`` calibrates it on the batch
+as ``perturbation.init_std: auto`` does, :mod:`megatron_alp.calibration`). The update uses the
+peak ``optimizer.lr`` (no warmup).
 
 Each updated policy is then scored, unperturbed, on the same tokens, and measured against the
 engine's logprobs as ``megatron-alp mismatch`` measures (:func:`~megatron_alp.mismatch.mismatch_report`):
@@ -60,11 +65,12 @@ UPDATE_KEYS = ("clip/low_frac", "clip/high_frac", "clip/dual_frac", "ratio/p2", 
 @dataclasses.dataclass(frozen=True)
 class Arm:
     """One side of the comparison: a registered loss, and optionally the sigma every perturbation
-    site is set to after loading (None: the checkpoint's sigmas, else ``perturbation.init_std``)."""
+    site is set to after loading (None: the checkpoint's sigmas, else ``perturbation.init_std``;
+    ``"auto"``: calibrated on the batch as ``perturbation.init_std: auto`` does before training)."""
 
     name: str  # as written on the command line, e.g. ``alp_token@0``
     loss: str
-    sigma: Optional[float] = None
+    sigma: Optional[float | str] = None
 
 
 def parse_arm(text: str) -> Arm:
@@ -77,13 +83,15 @@ def parse_arm(text: str) -> Arm:
     if not POLICY_LOSSES[loss].perturbed:
         raise InputError(f"--compare: arm {text!r} sets a sigma on {loss}, whose update is not perturbed; "
                          "@SIGMA is for perturbed (alp_*) losses")
+    if value == "auto":
+        return Arm(text.strip(), loss, "auto")
     try:
         sigma = float(value)
     except ValueError:
         sigma = math.nan
     if not (math.isfinite(sigma) and sigma >= 0):
-        raise InputError(f"--compare: arm {text!r}: expected @SIGMA with SIGMA a number >= 0 (e.g. alp_token@0, "
-                         f"alp_token@1e-3), got {value!r}")
+        raise InputError(f"--compare: arm {text!r}: expected @SIGMA with SIGMA a number >= 0 or auto (e.g. "
+                         f"alp_token@0, alp_token@1e-3, alp_token@auto), got {value!r}")
     return Arm(text.strip(), loss, sigma)
 
 
@@ -139,6 +147,33 @@ def _load_weights(model, checkpoint: str, kind: str, strict: bool) -> None:
         load_hf_weights(model, checkpoint)
 
 
+def saved_optimizer(checkpoint: str, kind: str) -> bool:
+    """Whether CKPT holds optimizer state (a megatron-alp checkpoint saved by training)."""
+    from megatron_alp.dist_checkpoint import read_metadata
+
+    return kind == "megatron" and bool(read_metadata(checkpoint).get("has_optimizer"))
+
+
+def arm_perturbation(arm: Arm, cfg: Config, checkpoint: str, optimizer_state: bool):
+    """The perturbation sites of ARM's model. With the checkpoint's optimizer state every arm has
+    the sites the checkpoint was saved with (its optimizer holds their moments in a group of their
+    own, which must exist to be loaded; an unperturbed arm's are set to sigma 0, exactly the
+    unperturbed forward), the arm's sigma learning rate; otherwise the arm's own config."""
+    from megatron_alp.dist_checkpoint import read_metadata
+
+    pert = cfg.perturbation
+    if not optimizer_state:
+        return pert
+    saved = read_metadata(checkpoint).get("perturbation")
+    if saved is None:
+        if pert.enabled:
+            raise InputError(f"--optimizer-state checkpoint: {checkpoint} was saved without ALP, so its optimizer "
+                             f"holds no sigma state for arm {arm.name}; use --optimizer-state fresh")
+        return pert
+    return pert.model_copy(update={"enabled": True, "allow_with_baseline": True, "layers": saved["layers"],
+                                   "shape": saved["shape"]})
+
+
 def _set_sigma(model, sigma: float) -> None:
     from megatron_alp.perturbation import controller_of
 
@@ -186,46 +221,61 @@ def _rollout_batch(cfg: Config, engine, reward_fn, dataset, *, prompts: int, see
     return batch, positions, info
 
 
-def _update(arm: Arm, cfg: Config, batch, ref_lp, *, seed: int, checkpoint: str, kind: str, hf_args, pad_id: int):
-    """ARM's one step from the checkpoint on ``batch``: fresh model and optimizer, identically
-    seeded; returns old (unperturbed, before) and updated (unperturbed, after) logprobs, the update's
-    metrics and the sigma the update was perturbed with."""
+def _update(arm: Arm, cfg: Config, batch, ref_lp, *, seed: int, checkpoint: str, kind: str, hf_args, pad_id: int,
+            optimizer_state: bool):
+    """ARM's one step from the checkpoint on ``batch``: a fresh model, and an optimizer fresh or
+    with the checkpoint's state, identically seeded; returns old (unperturbed, before) and updated
+    (unperturbed, after) logprobs, the update's metrics and the sigma the update was perturbed with."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    from megatron_alp.calibration import calibrate_sigma
     from megatron_alp.config import ParallelConfig
+    from megatron_alp.dist_checkpoint import load_checkpoint
     from megatron_alp.micro_batch import Batching
     from megatron_alp.models.builder import build_gpt_model
     from megatron_alp.optim import build_optimizer, wrap_for_training
     from megatron_alp.perturbation import gather_sigma_stats
     from megatron_alp.policy_update import compute_logprobs, train_mini_batch
 
-    parallel = ParallelConfig()
+    parallel = ParallelConfig(use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
-    pert = cfg.perturbation.model_copy(update={"seed": cfg.perturbation.seed + seed})
+    pert = arm_perturbation(arm, cfg, checkpoint, optimizer_state)
+    pert = pert.model_copy(update={"seed": pert.seed + seed})
     model = build_gpt_model(hf_args, cfg.model, parallel, pert, moe=cfg.moe)
-    _load_weights(model, checkpoint, kind, strict=True)
-    if arm.sigma is not None:
-        _set_sigma(model, arm.sigma)
-    sigma = gather_sigma_stats(model).get("sigma/mean")
-    policy = wrap_for_training(model, parallel)
-    optimizer, _ = build_optimizer(policy, cfg.optimizer, pert, parallel, total_steps=1)
+    if optimizer_state:
+        policy = wrap_for_training(model, parallel)
+        optimizer, _ = build_optimizer(policy, cfg.optimizer, pert, parallel, total_steps=1)
+        load_checkpoint(checkpoint, policy, optimizer=optimizer, strict=True)
+    else:  # weights first: a bf16 model's optimizer copies them into its fp32 main params when built
+        _load_weights(model, checkpoint, kind, strict=True)
+        policy = wrap_for_training(model, parallel)
+        optimizer, _ = build_optimizer(policy, cfg.optimizer, pert, parallel, total_steps=1)
+    sigma = 0.0 if pert.enabled and not cfg.perturbation.enabled else arm.sigma
+    if isinstance(sigma, float):
+        _set_sigma(model, sigma)
     s, t = cfg.rollout.sampling, cfg.trainer
     common = dict(temperature=s.temperature, pad_id=pad_id, fused=t.fused_linear_logprobs)
     old = compute_logprobs(policy, batch, batching=Batching.for_logprobs(t), **common)
     step_batch = dataclasses.replace(batch, old_logprobs=old, ref_logprobs=ref_lp if needs_ref_logprobs(cfg.loss) else None)
+    calibration = {}
+    if sigma == "auto":
+        calibration = calibrate_sigma(policy, step_batch, cfg.perturbation, iteration=0,
+                                      batching=Batching.for_logprobs(t), **common)
+    sigma = gather_sigma_stats(model).get("sigma/mean")
     metrics = StepMetrics()
     stats = train_mini_batch(policy, optimizer, step_batch, loss_cfg=cfg.loss, step=0, batching=Batching.for_update(t),
                              metrics=metrics, **common)
     after = compute_logprobs(policy, batch, batching=Batching.for_logprobs(t), **common)
     reduced = metrics.reduce()
     update = {k: reduced[k] for k in UPDATE_KEYS}
-    update.update(grad_norm=stats["grad_norm"], update_ok=stats["update_ok"], micro_batches=stats["micro_batches"])
+    update.update(grad_norm=stats["grad_norm"], update_ok=stats["update_ok"], micro_batches=stats["micro_batches"],
+                  **calibration)
     return old, after, update, sigma
 
 
 def measure(cfg: Config, arms: dict[Arm, Config], *, checkpoint: str, model_dir: str, prompts: int, seeds: int,
-            seed: int) -> tuple[dict, dict]:
+            seed: int, optimizer_state: bool = False) -> tuple[dict, dict]:
     """Sample ``seeds`` batches with the engine, then give each arm its one update per batch;
     returns the report and the flat per-token logprobs (per seed: ``rollout``, ``positions``,
     and per arm ``old`` and ``after``)."""
@@ -279,7 +329,8 @@ def measure(cfg: Config, arms: dict[Arm, Config], *, checkpoint: str, model_dir:
             entry = {**info, "tokens": int(keep.sum()), "arms": {}}
             for arm, arm_cfg in arms.items():
                 old, after, update, sigma = _update(arm, arm_cfg, batch, ref_lp, seed=info["seed"],
-                                                    checkpoint=checkpoint, kind=kind, hf_args=hf_args, pad_id=pad_id)
+                                                    checkpoint=checkpoint, kind=kind, hf_args=hf_args, pad_id=pad_id,
+                                                    optimizer_state=optimizer_state)
                 flat["old"][arm.name], flat["after"][arm.name] = old[keep], after[keep]
                 entry["arms"][arm.name] = {
                     "sigma": sigma,
@@ -298,6 +349,7 @@ def measure(cfg: Config, arms: dict[Arm, Config], *, checkpoint: str, model_dir:
     report = {
         "checkpoint": str(checkpoint),
         "checkpoint_kind": kind,
+        "optimizer_state": "checkpoint" if optimizer_state else "fresh",
         "model": str(model_dir),
         "train_dtype": cfg.model.dtype,
         "engine": {k: getattr(cfg.rollout, k) for k in ("engine", "dtype", "quantization", "kv_cache_dtype",
@@ -463,8 +515,12 @@ def add_arguments(parser) -> None:
                              "else model.hf_path, else the run's base_model under trainer.output_dir)")
     parser.add_argument("--compare", metavar="A:B",
                         help="the two arms, each LOSS or LOSS@SIGMA (every perturbation site's sigma set to SIGMA; "
-                             "@0: no noise), e.g. alp_seq:seq_bypass or alp_token:alp_token@0 "
+                             "@0: no noise; @auto: calibrated on the batch from the measured mismatch), e.g. "
+                             "alp_seq:seq_bypass or alp_token:alp_token@0 "
                              "(default: L:L@0 with L = loss.name, when it is perturbed)")
+    parser.add_argument("--optimizer-state", choices=("checkpoint", "fresh"),
+                        help="the optimizer state both arms step from: the checkpoint's (default when CKPT was saved "
+                             "with one) or fresh (zero Adam moments; the default otherwise)")
     parser.add_argument("--seeds", type=_positive, default=1, metavar="N",
                         help="repeat on N prompt selections and rollout batches, seeded S, S+1, ... (default: 1)")
     parser.add_argument("--prompts", type=_positive, metavar="N",
@@ -484,6 +540,11 @@ def run(args) -> int:
         a, b = parse_compare(args.compare, cfg)
         arms = {arm: arm_config(args.config, args.overrides, arm) for arm in (a, b)}
         kind = _checkpoint_kind(args.checkpoint)
+        has_state = saved_optimizer(args.checkpoint, kind)
+        if args.optimizer_state == "checkpoint" and not has_state:
+            raise InputError(f"--optimizer-state checkpoint: {args.checkpoint} holds no optimizer state "
+                             "(a Hugging Face directory, or a checkpoint saved without one); use --optimizer-state fresh")
+        optimizer_state = has_state if args.optimizer_state is None else args.optimizer_state == "checkpoint"
     model_dir = resolve_model(cfg, args.model or (args.checkpoint if kind == "hf" else None))
     seed = cfg.trainer.seed if args.seed is None else args.seed
     prompts = args.prompts or cfg.trainer.prompts_per_iteration
@@ -493,11 +554,12 @@ def run(args) -> int:
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)
         say(f"megatron-alp intervene: engine and library output goes to {log}")
         report, _ = measure(cfg, arms, checkpoint=args.checkpoint, model_dir=model_dir, prompts=prompts,
-                            seeds=args.seeds, seed=seed)
+                            seeds=args.seeds, seed=seed, optimizer_state=optimizer_state)
         draw_figure(report, out / "intervene.png")
     (out / "intervene.json").write_text(json.dumps(_json_ready(report), indent=2) + "\n")
     rewards = ", ".join(f"{e['reward_mean']:.3f}" for e in report["per_seed"])
-    say(f"{describe(report)}: one update of {a.name} and of {b.name} from {args.checkpoint}, {prompts} prompts x "
+    say(f"{describe(report)}: one update of {a.name} and of {b.name} from {args.checkpoint} "
+        f"({report['optimizer_state']} optimizer state), {prompts} prompts x "
         f"{cfg.rollout.sampling.n} samples x {args.seeds} seed(s), {sum(e['tokens'] for e in report['per_seed'])} "
         f"tokens; reward mean per seed {rewards}")
     say(format_table(report))

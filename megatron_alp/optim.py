@@ -30,7 +30,7 @@ def wrap_for_training(model, parallel: ParallelConfig):
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
-        use_distributed_optimizer=parallel.use_distributed_optimizer,
+        use_distributed_optimizer=bool(parallel.use_distributed_optimizer),
     )
     model = DistributedDataParallel(config, ddp_config, model)
     config.finalize_model_grads_func = finalize_model_grads
@@ -52,7 +52,7 @@ def build_optimizer(model, opt: OptimizerConfig, pert: PerturbationConfig, paral
         bf16=config.bf16,
         fp16=config.fp16,
         params_dtype=config.params_dtype,
-        use_distributed_optimizer=parallel.use_distributed_optimizer,
+        use_distributed_optimizer=bool(parallel.use_distributed_optimizer),
     )
     sigma_min_lr = pert.lr if pert.lr_schedule == "constant" else pert.lr * (opt.min_lr / opt.lr if opt.lr else 1.0)
     wd_mult = (pert.weight_decay / opt.weight_decay) if opt.weight_decay else 0.0

@@ -24,6 +24,8 @@ def _minimal(**sections):
                                                         "needs perturbation.init_std: auto"),
         (_minimal(loss={"name": "seq_bypass"}, perturbation={"init_std": "auto"}),
          "perturbation.init_std: auto calibrates the ALP noise, but loss.name=seq_bypass runs unperturbed"),
+        (_minimal(model={"tiny": "qwen2", "dtype": "bfloat16"}, parallel={"use_distributed_optimizer": False}),
+         "parallel.use_distributed_optimizer: false with model.dtype=bfloat16 and ALP"),
         (_minimal(perturbation={"layers": "3-1"}), "perturbation.layers"),
         (_minimal(perturbation={"layers": "a-b"}), "expected an index like 3 or a range like 0-4"),
         (_minimal(perturbation={"shape": "matrix"}), "perturbation.shape"),
@@ -94,3 +96,13 @@ def test_routing_replay_on_a_dense_checkpoint_is_refused_when_the_model_is_built
     with pytest.raises(ConfigError, match="moe.routing_replay=r3 needs a mixture-of-experts model; this qwen3 model"):
         check_moe(hf_to_megatron(tiny_hf_config("qwen3")), MoEConfig(routing_replay="r3"))
     check_moe(hf_to_megatron(tiny_hf_config("qwen3_moe")), MoEConfig(routing_replay="r3"))
+
+
+def test_the_distributed_optimizer_defaults_on_exactly_for_half_precision_alp():
+    """Megatron-Core's non-distributed fp16 optimizer cannot checkpoint a bf16 model's fp32 sigmas."""
+    def resolved(dtype, loss):
+        return config_from_dict({"model": {"tiny": "qwen2", "dtype": dtype},
+                                      "loss": {"name": loss}}).parallel.use_distributed_optimizer
+
+    assert resolved("bfloat16", "alp_token") is True and resolved("float16", "alp_seq") is True
+    assert resolved("float32", "alp_token") is False and resolved("bfloat16", "grpo") is False

@@ -47,13 +47,57 @@ def _config(tmp_path: Path, model: Path) -> Path:
     return path
 
 
-def _measure(config: Path, model: Path, compare: str | None, *overrides: str):
+def _measure(config: Path, model: Path, compare: str | None, *overrides: str, checkpoint: Path | None = None,
+             optimizer_state: bool = False):
     from megatron_alp.config import load_config
     from megatron_alp.intervene import arm_config, measure, parse_compare
 
     cfg = load_config(config, list(overrides))
     arms = {arm: arm_config(str(config), list(overrides), arm) for arm in parse_compare(compare, cfg)}
-    return measure(cfg, arms, checkpoint=str(model), model_dir=str(model), prompts=PROMPTS, seeds=SEEDS, seed=3)
+    return measure(cfg, arms, checkpoint=str(checkpoint or model), model_dir=str(model), prompts=PROMPTS, seeds=SEEDS,
+                   seed=3, optimizer_state=optimizer_state)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny, tmp_path_factory) -> Path:
+    """A megatron-alp checkpoint as training saves it: ALP sites (sigma 1e-3) and the Adam state of
+    two Token-ALP steps on random sequences."""
+    from megatron_alp.config import LossConfig, ModelConfig, OptimizerConfig, ParallelConfig, PerturbationConfig
+    from megatron_alp.dist_checkpoint import save_checkpoint
+    from megatron_alp.metrics import StepMetrics
+    from megatron_alp.micro_batch import Batching
+    from megatron_alp.models.builder import build_gpt_model
+    from megatron_alp.models.families import hf_to_megatron, load_hf_config
+    from megatron_alp.models.hf_weights import load_hf_weights
+    from megatron_alp.optim import build_optimizer, wrap_for_training
+    from megatron_alp.parallel import destroy_distributed, init_distributed
+    from megatron_alp.policy_update import compute_logprobs, train_mini_batch
+    from megatron_alp.rl_batch import RLBatch
+
+    ckpt = tmp_path_factory.mktemp("intervene_ckpt") / "iter_0000002"
+    par, pert = ParallelConfig(), PerturbationConfig(enabled=True, init_std=1e-3)
+    init_distributed(par, seed=0)
+    try:
+        model = build_gpt_model(hf_to_megatron(load_hf_config(tiny)),
+                                ModelConfig(hf_path=str(tiny), layer_spec="local", dtype="float32"),
+                                par, pert)
+        load_hf_weights(model, tiny)
+        policy = wrap_for_training(model, par)
+        optimizer, _ = build_optimizer(policy, OptimizerConfig(lr=1e-3, min_lr=1e-3), pert, par, total_steps=2)
+        g = torch.Generator().manual_seed(5)
+        tokens = torch.randint(3, 200, (8, 12), generator=g)
+        mask = torch.zeros(8, 12)
+        mask[:, 3:11] = 1
+        batch = RLBatch(tokens, torch.nn.functional.pad(tokens[:, 1:], (0, 1)), mask, torch.zeros(8, 12),
+                        torch.tensor([1.0, -1.0] * 4), torch.full((8,), 12))
+        batch.rollout_logprobs = compute_logprobs(policy, batch, batching=Batching(size=8), temperature=1.0, pad_id=0)
+        for step in range(2):
+            train_mini_batch(policy, optimizer, batch, loss_cfg=LossConfig(name="alp_token", kl_coef=0.0), step=step,
+                             batching=Batching(size=8), temperature=1.0, pad_id=0, metrics=StepMetrics())
+        save_checkpoint(ckpt, policy, optimizer=optimizer, hf_dir=tiny)
+    finally:
+        destroy_distributed()
+    return ckpt
 
 
 # -------------------------------------------------------------------------------- bad input
@@ -78,6 +122,8 @@ def test_bad_compare_and_checkpoint_exit_2(tmp_path, tiny, capsys):
     fails(*ckpt, "--compare", "alp_seq:alp_seq", names=("--compare", "both arms"))
     fails(*ckpt, "loss.name=seq_bypass", names=("--compare is needed", "seq_bypass"))
     fails("--checkpoint", str(tmp_path / "nowhere"), names=("--checkpoint", "nowhere", "config.json"))
+    fails(*ckpt, "--optimizer-state", "checkpoint", names=("--optimizer-state", "holds no optimizer state"))
+    fails(*ckpt, "--compare", "alp_token@often:alp_token@0", names=("--compare", "auto", "'often'"))
     with pytest.raises(SystemExit) as exit_:
         cli_main(["intervene", str(cfg)])
     assert exit_.value.code == 2 and "--checkpoint" in capsys.readouterr().err
@@ -149,3 +195,29 @@ def test_zero_learning_rate_changes_nothing_and_writes_outputs(tmp_path, tiny, c
     printed = capfd.readouterr().out
     assert "alp_token narrower than alp_token@0 in 0 of" in printed and "p [0.99, 1]" in printed
     assert f"written: {out / 'intervene.json'}" in printed
+
+
+def test_the_checkpoints_optimizer_state_and_a_calibrated_sigma(tmp_path, tiny, trained):
+    """From a checkpoint saved by training (ALP sites, Adam moments), with a bf16 engine:
+    - with its optimizer state, Seq-Bypass is stepped with the checkpoint's sites at sigma 0 (their
+      moments must load) and its update equals Seq-ALP's at sigma 0 bit for bit;
+    - the same Seq-Bypass step from a fresh optimizer lands elsewhere (the moments matter), on the
+      same rollouts;
+    - ``@auto`` calibrates sigma on the batch: the measured engine KL is k3(old, rollout) of the
+      batch's tokens, and the perturbed KL is within the search's 2% of it."""
+    cfg = _config(tmp_path, tiny)
+    loaded, loaded_tokens = _measure(cfg, tiny, "alp_seq@0:seq_bypass", "rollout.dtype=bfloat16", checkpoint=trained,
+                                     optimizer_state=True)
+    fresh, fresh_tokens = _measure(cfg, tiny, "alp_seq@auto:seq_bypass", "rollout.dtype=bfloat16", checkpoint=trained)
+    assert loaded["optimizer_state"] == "checkpoint" and fresh["optimizer_state"] == "fresh"
+    for lt, le, ft, fe in zip(loaded_tokens["per_seed"], loaded["per_seed"], fresh_tokens["per_seed"], fresh["per_seed"]):
+        assert le["arms"]["seq_bypass"]["sigma"] == 0.0
+        assert torch.equal(lt["after"]["alp_seq@0"], lt["after"]["seq_bypass"])
+        assert torch.equal(lt["rollout"], ft["rollout"]) and torch.equal(lt["old"]["seq_bypass"], ft["old"]["seq_bypass"])
+        assert (lt["after"]["seq_bypass"] - ft["after"]["seq_bypass"]).abs().max() > 1e-6
+        auto = fe["arms"]["alp_seq@auto"]
+        engine_kl = _k3(ft["old"]["alp_seq@auto"], ft["rollout"])  # r = pi_train / pi_rollout, as training logs it
+        assert engine_kl > 0
+        assert auto["update"]["calibration/train_engine_kl"] == pytest.approx(engine_kl, rel=1e-6)
+        assert auto["update"]["calibration/perturbed_kl"] == pytest.approx(engine_kl, rel=0.021)
+        assert auto["sigma"] > 0
