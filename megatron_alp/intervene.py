@@ -267,11 +267,14 @@ def _update(arm: Arm, cfg: Config, batch, ref_lp, *, seed: int, checkpoint: str,
     stats = train_mini_batch(policy, optimizer, step_batch, loss_cfg=cfg.loss, step=0, batching=Batching.for_update(t),
                              metrics=metrics, **common)
     after = compute_logprobs(policy, batch, batching=Batching.for_logprobs(t), **common)
+    noisy = None  # the updated perturbed policy, with the noise of the step after: the ratio ALP's next step clips
+    if sigma:
+        noisy = compute_logprobs(policy, batch, batching=Batching.for_logprobs(t), perturb_step=1, **common)
     reduced = metrics.reduce()
     update = {k: reduced[k] for k in UPDATE_KEYS}
     update.update(grad_norm=stats["grad_norm"], update_ok=stats["update_ok"], micro_batches=stats["micro_batches"],
                   **calibration)
-    return old, after, update, sigma
+    return old, after, noisy, update, sigma
 
 
 def measure(cfg: Config, arms: dict[Arm, Config], *, checkpoint: str, model_dir: str, prompts: int, seeds: int,
@@ -328,7 +331,7 @@ def measure(cfg: Config, arms: dict[Arm, Config], *, checkpoint: str, model_dir:
             flat = {"rollout": rollout, "positions": pos, "old": {}, "after": {}}
             entry = {**info, "tokens": int(keep.sum()), "arms": {}}
             for arm, arm_cfg in arms.items():
-                old, after, update, sigma = _update(arm, arm_cfg, batch, ref_lp, seed=info["seed"],
+                old, after, noisy, update, sigma = _update(arm, arm_cfg, batch, ref_lp, seed=info["seed"],
                                                     checkpoint=checkpoint, kind=kind, hf_args=hf_args, pad_id=pad_id,
                                                     optimizer_state=optimizer_state)
                 flat["old"][arm.name], flat["after"][arm.name] = old[keep], after[keep]
@@ -336,6 +339,8 @@ def measure(cfg: Config, arms: dict[Arm, Config], *, checkpoint: str, model_dir:
                     "sigma": sigma,
                     "before": mismatch_report(old[keep], rollout, pos, s.max_response_length),
                     "after": mismatch_report(after[keep], rollout, pos, s.max_response_length),
+                    "after_perturbed": None if noisy is None else mismatch_report(noisy[keep], rollout, pos,
+                                                                                  s.max_response_length),
                     "shift": token_stats(after[keep], old[keep], torch.ones_like(rollout, dtype=torch.bool)),
                     "update": update,
                 }
@@ -411,6 +416,9 @@ def summarize(per_seed: list[dict], names: list[str]) -> dict:
             "width": float(np.mean([_width(r["after"]["all"]) for r in runs])),
             "kl_k3": float(np.mean([r["after"]["all"]["kl_k3"] for r in runs])),
             "shift_kl_k3": float(np.mean([r["shift"]["kl_k3"] for r in runs])),
+            "perturbed": None if any(r["after_perturbed"] is None for r in runs) else {
+                "width": float(np.mean([_width(r["after_perturbed"]["all"]) for r in runs])),
+                "kl_k3": float(np.mean([r["after_perturbed"]["all"]["kl_k3"] for r in runs]))},
             **{k: float(np.mean([r["update"][k] for r in runs])) for k in ("clip/low_frac", "clip/high_frac",
                                                                             "clip/dual_frac", "grad_norm")},
         }
@@ -463,6 +471,8 @@ def format_table(report: dict) -> str:
         f"k3 KL vs rollout after the update: {a} {o[a]['kl_k3']:.3e}, {b} {o[b]['kl_k3']:.3e} "
         f"(before: {o['before']['kl_k3']:.3e}, all-token width {o['before']['width']:.3e})",
         f"policy shift k3 (updated vs checkpoint): {a} {o[a]['shift_kl_k3']:.3e}, {b} {o[b]['shift_kl_k3']:.3e}",
+        *[f"{n} perturbed (the ratio its next step clips) vs rollout: all-token width {o[n]['perturbed']['width']:.3e}, "
+          f"k3 {o[n]['perturbed']['kl_k3']:.3e}" for n in names if o[n]["perturbed"]],
         f"clip fractions low/high/dual: {a} {clip[a]}, {b} {clip[b]}; grad norm: {a} {o[a]['grad_norm']:.3e}, "
         f"{b} {o[b]['grad_norm']:.3e}",
         verdict(summary, names),

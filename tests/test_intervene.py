@@ -171,6 +171,9 @@ def test_noise_changes_the_update_not_the_logprob_passes(tmp_path, tiny):
         assert a["after"]["all"]["kl_k3"] != b["after"]["all"]["kl_k3"]
         # the update's own ratio is perturbed-train / rollout in the noisy arm only
         assert a["update"]["ratio/p98"] != b["update"]["ratio/p98"]
+        # the noisy arm's perturbed updated policy is reported too (the unperturbed arm has none)
+        assert b["after_perturbed"] is None and a["after_perturbed"]["all"]["tokens"] == entry["tokens"]
+        assert a["after_perturbed"]["all"]["kl_k3"] != a["after"]["all"]["kl_k3"]
 
 
 def test_zero_learning_rate_changes_nothing_and_writes_outputs(tmp_path, tiny, capfd):
