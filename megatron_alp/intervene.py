@@ -246,7 +246,10 @@ def _update(arm: Arm, cfg: Config, batch, ref_lp, *, seed: int, checkpoint: str,
     if optimizer_state:
         policy = wrap_for_training(model, parallel)
         optimizer, _ = build_optimizer(policy, cfg.optimizer, pert, parallel, total_steps=1)
+        settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         load_checkpoint(checkpoint, policy, optimizer=optimizer, strict=True)
+        for group, own in zip(optimizer.param_groups, settings):  # the loaded groups carry the checkpoint's
+            group.update(own)  # learning rates and decay: the arm's config applies, with the checkpoint's moments
     else:  # weights first: a bf16 model's optimizer copies them into its fp32 main params when built
         _load_weights(model, checkpoint, kind, strict=True)
         policy = wrap_for_training(model, parallel)

@@ -212,7 +212,12 @@ def test_the_checkpoints_optimizer_state_and_a_calibrated_sigma(tmp_path, tiny, 
     loaded, loaded_tokens = _measure(cfg, tiny, "alp_seq@0:seq_bypass", "rollout.dtype=bfloat16", checkpoint=trained,
                                      optimizer_state=True)
     fresh, fresh_tokens = _measure(cfg, tiny, "alp_seq@auto:seq_bypass", "rollout.dtype=bfloat16", checkpoint=trained)
+    still, _ = _measure(cfg, tiny, "alp_seq@1e-2:seq_bypass", "rollout.dtype=bfloat16", "optimizer.lr=0",
+                        "optimizer.min_lr=0", "perturbation.lr=0", checkpoint=trained, optimizer_state=True)
     assert loaded["optimizer_state"] == "checkpoint" and fresh["optimizer_state"] == "fresh"
+    for entry in still["per_seed"]:  # the config's learning rate applies, not the one saved with the moments
+        for arm in entry["arms"].values():
+            assert arm["after"] == arm["before"] and arm["shift"]["kl_k3"] == 0.0
     for lt, le, ft, fe in zip(loaded_tokens["per_seed"], loaded["per_seed"], fresh_tokens["per_seed"], fresh["per_seed"]):
         assert le["arms"]["seq_bypass"]["sigma"] == 0.0
         assert torch.equal(lt["after"]["alp_seq@0"], lt["after"]["seq_bypass"])
