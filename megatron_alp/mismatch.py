@@ -115,12 +115,14 @@ def measure(cfg: Config, model_dir: str, *, prompts: int, n: Optional[int], max_
     report (:func:`mismatch_report` plus what was measured) and the flat train and rollout logprobs."""
     import torch.distributed as dist
 
+    from megatron_alp.calibration import calibrate_sigma
     from megatron_alp.config import ParallelConfig
     from megatron_alp.data import PromptDataset, load_tokenizer
     from megatron_alp.models.builder import build_gpt_model
     from megatron_alp.models.families import hf_to_megatron, load_hf_config
     from megatron_alp.models.hf_weights import load_hf_weights
     from megatron_alp.parallel import destroy_distributed, init_distributed
+    from megatron_alp.perturbation import sigma_stats
     from megatron_alp.platform import has_gpu
     from megatron_alp.micro_batch import Batching
     from megatron_alp.policy_update import compute_logprobs, probe_mismatch
@@ -144,7 +146,9 @@ def measure(cfg: Config, model_dir: str, *, prompts: int, n: Optional[int], max_
     owns_groups = not dist.is_initialized()
     init_distributed(parallel, seed=seed)
     try:
-        model = build_gpt_model(hf_to_megatron(load_hf_config(model_dir)), cfg.model, parallel, moe=cfg.moe)
+        # the config's ALP sites (the unperturbed passes never see them) for the sigma calibration below
+        model = build_gpt_model(hf_to_megatron(load_hf_config(model_dir)), cfg.model, parallel, cfg.perturbation,
+                                moe=cfg.moe)
         if cfg.model.load is not None:
             from megatron_alp.dist_checkpoint import load_checkpoint
 
@@ -162,8 +166,14 @@ def measure(cfg: Config, model_dir: str, *, prompts: int, n: Optional[int], max_
             engine.shutdown()
         trajectories = [Trajectory.from_completion(c) for g in groups for c in g]
         batch = build_rl_batch(trajectories, torch.zeros(len(trajectories)), pad_id)
-        train_lp = compute_logprobs(model, batch, batching=Batching.for_logprobs(cfg.trainer),
-                                    temperature=s.temperature, pad_id=pad_id, fused=cfg.trainer.fused_linear_logprobs)
+        logprob_pass = dict(batching=Batching.for_logprobs(cfg.trainer), temperature=s.temperature, pad_id=pad_id,
+                            fused=cfg.trainer.fused_linear_logprobs)
+        train_lp = compute_logprobs(model, batch, **logprob_pass)
+        calibration = None
+        if cfg.perturbation.enabled:
+            batch.old_logprobs = train_lp
+            calibration = calibrate_sigma(model, batch, cfg.perturbation, iteration=0, **logprob_pass)
+            calibration["sigma"] = {k.split("/")[1]: v for k, v in sigma_stats(model).items() if k.endswith("/mean")}
     finally:
         if owns_groups:
             destroy_distributed()
@@ -185,6 +195,7 @@ def measure(cfg: Config, model_dir: str, *, prompts: int, n: Optional[int], max_
         "generation_s": seconds,
         "tokens_per_s": int(keep.sum()) / max(seconds, 1e-9),
         **mismatch_report(train, rollout, positions, max_tokens),
+        "calibration": calibration,
     }
     return report, train, rollout
 
@@ -335,5 +346,11 @@ def run(args) -> int:
     say(f"{describe(report)}: {report['prompts']} prompts x {report['sampling']['n']} samples, "
         f"{report['all']['tokens']} tokens ({report['tokens_per_s']:.0f} tokens/s)")
     say(format_table(report))
+    cal = report["calibration"]
+    if cal:
+        sigmas = ", ".join(f"{k} {v:.3g}" for k, v in cal["sigma"].items())
+        say(f"perturbation.init_std: auto would set sigma = {cal['calibration/scale']:.3g} x layer-input RMS ({sigmas}): "
+            f"KL(train || perturbed) {cal['calibration/perturbed_kl']:.3g} for a target of "
+            f"{cal['calibration/target_kl']:.3g} (perturbation.calibration_target x the k3 KL above)")
     say(f"written: {out / 'mismatch.json'}, {out / 'mismatch.png'}")
     return 0

@@ -157,6 +157,14 @@ def test_fp32_bf16_fp8_engines_against_fp32_megatron(tmp_path, capfd):
         order = [reports[n]["all"][key] for n in ("fp8", "bfloat16", "float32")]
         assert order[0] > order[1] > order[2], f"{key}: expected FP8 > bf16 > fp32, got {order}"
     assert reports["fp8"]["all"]["abs_log_ratio"]["p98"] > reports["bfloat16"]["all"]["abs_log_ratio"]["p98"]
+    # the sigma init_std: auto would choose: its target is the report's own k3 KL (calibration_target 1), met
+    # within the search's 2%; a larger mismatch asks for a larger noise scale
+    for name in ("bfloat16", "fp8"):
+        cal = reports[name]["calibration"]
+        assert cal["calibration/target_kl"] == pytest.approx(reports[name]["all"]["kl_k3"], rel=1e-6)
+        assert cal["calibration/perturbed_kl"] == pytest.approx(cal["calibration/target_kl"], rel=0.021)
+        assert len(cal["sigma"]) == 4 and all(v > 0 for v in cal["sigma"].values())
+    assert reports["fp8"]["calibration"]["calibration/scale"] > reports["bfloat16"]["calibration"]["calibration/scale"]
     assert all(math.isfinite(reports[n]["all"]["pearson_r"]) for n in reports)
 
 
@@ -196,7 +204,7 @@ def test_model_load_weights_reach_the_engine(tmp_path):
     assert report["all"]["abs_log_ratio"]["max"] < FP32_TOL, report["all"]
     lines = proc.stdout.splitlines()
     ours = ("megatron-alp mismatch: ", "vllm float32 vs Megatron float32: ", "bucket ", "all ", "p [", "pos ",
-            "written: ")
-    assert len(lines) == 14 and all(line.startswith(ours) for line in lines), proc.stdout
+            "perturbation.init_std: auto would set sigma = ", "written: ")
+    assert len(lines) == 15 and all(line.startswith(ours) for line in lines), proc.stdout
     assert not proc.stderr, proc.stderr
     assert "vllm" in (out / "engine.log").read_text().lower()  # the engine's chatter went to the log
