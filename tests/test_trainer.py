@@ -110,14 +110,25 @@ def _same_metrics(a: dict, b: dict) -> None:
         assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (key, a[key], b[key])
 
 
-def test_sigkill_during_save_and_training_resumes_to_the_same_metrics(tmp_path):
-    common = ["trainer.iterations=3", "trainer.save_interval=1", "trainer.sft_warmup_steps=30"]
-    rc, out = train(tmp_path / "straight", *common)
-    assert rc == 0, out[-6000:]
-    straight = metrics(tmp_path / "straight")
+KILL_RUN = ["trainer.iterations=3", "trainer.save_interval=1", "trainer.sft_warmup_steps=30"]
 
-    # killed while writing the last checkpoint (iteration 3): resumes from iteration 2
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory) -> Path:
+    """Three iterations, a checkpoint after each, never killed: what the killed runs must reproduce."""
+    run = tmp_path_factory.mktemp("kill") / "straight"
+    rc, out = train(run, *KILL_RUN)
+    assert rc == 0, out[-6000:]
+    return run
+
+
+def test_sigkill_during_save_resumes_to_the_same_metrics(straight_run, tmp_path):
+    """Killed while writing the last checkpoint (iteration 3): the partial checkpoint never
+    appears, and the run resumes from iteration 2 to the metrics of the run never killed."""
+    common = KILL_RUN
+    straight = metrics(straight_run)
     run = tmp_path / "killed_in_save"
+    shutil.copytree(straight_run / "base_model", run / "base_model")  # the same warm start, not run again
     rc, out = train(run, *common, env={"MEGATRON_ALP_KILL_DURING_SAVE": "3"})
     assert rc != 0
     assert not (run / "checkpoints" / "iter_0000003").exists()
@@ -128,8 +139,15 @@ def test_sigkill_during_save_and_training_resumes_to_the_same_metrics(tmp_path):
     for a, b in zip(straight, resumed):
         _same_metrics(a, b)
 
-    # killed in the middle of training
+
+@pytest.mark.slow
+def test_sigkill_mid_training_resumes_to_the_same_metrics(straight_run, tmp_path):
+    """Killed in the middle of training (the default suite kills mid-iteration in async mode,
+    test_sigkill_mid_async_iteration_resumes): resumes to the metrics of the run never killed."""
+    common = KILL_RUN
+    straight = metrics(straight_run)
     run = tmp_path / "killed_in_training"
+    shutil.copytree(straight_run / "base_model", run / "base_model")
     kill_after_two_iterations(run, *common)
     rc, out = train(run, *common)
     assert rc == 0 and "resumed from" in out, out[-6000:]
@@ -371,6 +389,7 @@ def test_async_training_on_two_ranks_bounds_staleness_exactly(quickstart_run, tm
     assert all(r["timing/rollout_wait_s"] < r["timing/update_s"] for r in m[1:]), m
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_fills_asynchronous_batches(dynamic_sampling_run, tmp_path):
     """Dynamic sampling on top of max_staleness=1: the batch generated ahead is filtered like a
     synchronous one, and its extra rounds are generated with the current weights (staleness 0), so
@@ -416,12 +435,23 @@ def test_sigkill_mid_async_iteration_resumes(tmp_path):
     assert [r["staleness/max"] for r in m] == expected, (resumed_at, m)
 
 
-def test_validation_every_eval_interval_on_one_and_two_ranks(quickstart_run, tmp_path):
-    """`trainer.eval_interval`: val/* (average@k, pass@j) of data.val_files after every interval and
-    after the last iteration, from the run's engine; on 2 ranks every rank takes part in sampling
-    (the rollout API is collective) and rank 0 scores and logs. The reward figure draws them."""
-    one_rank = metrics(quickstart_run)  # the quickstart validates every 10 iterations and after the last
+def test_validation_after_the_last_iteration(quickstart_run):
+    """`trainer.eval_interval`: val/* (average@k, pass@j) of data.val_files after every interval
+    (10 in the quickstart) and after the last iteration, from the run's engine; the reward figure
+    draws them."""
+    one_rank = metrics(quickstart_run)
     assert ["val/reward_mean" in r for r in one_rank] == [False] * 7 + [True]
+    r = one_rank[-1]
+    assert r["val/pass@1"] == pytest.approx(r["val/reward_mean"]), r  # rewards are 0 or 1
+    assert 0 <= r["val/pass@1"] <= r["val/pass@2"] <= 1 and r["timing/val_s"] > 0, r
+    assert (quickstart_run / "plots" / "reward.png").is_file()
+
+
+@pytest.mark.slow
+def test_validation_every_eval_interval_on_two_ranks(quickstart_run, tmp_path):
+    """On 2 ranks every rank takes part in validation sampling (the rollout API is collective) and
+    rank 0 scores and logs."""
+    one_rank = metrics(quickstart_run)
     run = tmp_path / "dp2"
     _train_two_ranks(run, quickstart_run, "trainer.iterations=3", "trainer.eval_interval=2", "eval.k=2")
     two_ranks = metrics(run)
