@@ -138,11 +138,13 @@ def _set_sigmas(model, rms: dict[int, float], scale: float) -> None:
 
 def _next_scale(history: list[tuple[float, float]], target: float) -> float:
     """Secant step on log KL(log s); KL ~ s^2 at first. A draw too small to move any logprob
-    (KL 0) grows s tenfold."""
+    (KL 0) grows s tenfold; one so large that the logprobs overflow (KL inf or nan) shrinks it tenfold."""
     s, kl = history[-1]
+    if not math.isfinite(kl):
+        return s / 10
     if kl <= 0:
         return s * 10
-    positive = [(a, b) for a, b in history if b > 0]
+    positive = [(a, b) for a, b in history if 0 < b < math.inf]
     slope = 2.0
     if len(positive) >= 2:
         (s0, k0), (s1, k1) = positive[-2], positive[-1]
@@ -176,7 +178,7 @@ def calibrate_sigma(model, batch: RLBatch, cfg: PerturbationConfig, *, iteration
         if abs(history[-1][1] / target - 1) <= TOLERANCE:
             break
         scale = _next_scale(history, target)
-    scale, kl = min(history, key=lambda h: abs(math.log(h[1] / target)) if h[1] > 0 else math.inf)
+    scale, kl = min(history, key=lambda h: abs(math.log(h[1] / target)) if 0 < h[1] < math.inf else math.inf)
     _set_sigmas(model, rms, scale)
     return {"calibration/train_engine_kl": measured, "calibration/target_kl": target,
             "calibration/perturbed_kl": kl, "calibration/scale": scale, "calibration/evaluations": float(len(history))}

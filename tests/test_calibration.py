@@ -83,3 +83,5 @@ def test_the_search_step_solves_a_power_law_in_one_step():
     assert c * s ** p == pytest.approx(target, rel=1e-9)
     assert _next_scale([(1e-3, 0.0)], target) == pytest.approx(1e-2)
     assert math.isfinite(_next_scale([(1e-2, 1e300)], target))
+    assert _next_scale([(1e-2, 2e-5), (1.0, math.inf)], target) == pytest.approx(0.1)  # overflow: back off
+    assert _next_scale([(1e-2, 2e-5), (1.0, math.nan)], target) == pytest.approx(0.1)
