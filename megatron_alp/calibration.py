@@ -41,7 +41,7 @@ from megatron.core import parallel_state as ps
 from megatron_alp.comm import comm_device
 from megatron_alp.config import PerturbationConfig
 from megatron_alp.micro_batch import Batching
-from megatron_alp.perturbation import controller_of
+from megatron_alp.perturbation import controller_of, perturbation_sites, set_sigmas
 from megatron_alp.policy_update import compute_logprobs, model_chunks
 from megatron_alp.rl_batch import RLBatch
 from megatron_alp.routing_replay import PassRouting
@@ -57,10 +57,6 @@ def calibration_due(cfg: PerturbationConfig, iteration: int) -> bool:
     if cfg.init_std != "auto":
         return False
     return iteration == 0 or bool(cfg.calibrate_every and iteration % cfg.calibrate_every == 0)
-
-
-def _sites(model) -> list:
-    return [s for m in model_chunks(model) if (c := controller_of(m)) is not None for s in c.sites]
 
 
 def _hosts(model) -> list:
@@ -103,17 +99,20 @@ def k3_kl(logprobs: Optional[torch.Tensor], reference: Optional[torch.Tensor], m
     return _from_last_stage(value)
 
 
-def layer_input_rms(model, batch: RLBatch, passes: dict) -> dict[int, float]:
-    """RMS of the input of every perturbed site of this rank (by position in :func:`_sites`) over
-    one unperturbed forward of ``batch`` (padding positions included)."""
+def layer_input_rms(model, batch: RLBatch, passes: dict) -> list[float]:
+    """RMS of the input of every perturbed site of this rank (in
+    :func:`~megatron_alp.perturbation.perturbation_sites` order) over one unperturbed forward of
+    ``batch`` (padding positions included). The squares are summed on the activations' device,
+    without an upcast copy or a host sync per layer."""
     hosts = _hosts(model)
-    sums = torch.zeros(len(hosts), 2, dtype=torch.float64)
+    squares: list = [0.0] * len(hosts)
+    counts = [0] * len(hosts)
 
     def hook(index):
         def record(module, args, kwargs):
-            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            sums[index, 0] += hidden.detach().double().square().sum().cpu()
-            sums[index, 1] += hidden.numel()
+            hidden = (kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).detach()
+            squares[index] = squares[index] + torch.linalg.vector_norm(hidden, dtype=torch.float32) ** 2
+            counts[index] += hidden.numel()
         return record
 
     handles = [h.register_forward_pre_hook(hook(i), with_kwargs=True) for i, h in enumerate(hosts)]
@@ -123,17 +122,11 @@ def layer_input_rms(model, batch: RLBatch, passes: dict) -> dict[int, float]:
         for h in handles:
             h.remove()
     sequence_parallel = any(c.sequence_parallel for m in model_chunks(model) if (c := controller_of(m)) is not None)
+    sums = torch.tensor([[float(q), float(n)] for q, n in zip(squares, counts)], dtype=torch.float64)
     sums = _all_reduce(sums, tensor_shards=sequence_parallel)
     rms = (sums[:, 0] / sums[:, 1].clamp(min=1)).sqrt().tolist()
-    sites = _sites(model)
     by_host = {id(h.alp_perturbation): r for h, r in zip(hosts, rms)}
-    return {i: by_host[id(s)] for i, s in enumerate(sites)}
-
-
-def _set_sigmas(model, rms: dict[int, float], scale: float) -> None:
-    for i, site in enumerate(_sites(model)):
-        sigma = scale * rms[i]
-        site.log_sigma.data.fill_(math.log(sigma) if sigma > 0 else float("-inf"))
+    return [by_host[id(s)] for s in perturbation_sites(model_chunks(model))]
 
 
 def _next_scale(history: list[tuple[float, float]], target: float) -> float:
@@ -165,13 +158,13 @@ def calibrate_sigma(model, batch: RLBatch, cfg: PerturbationConfig, *, iteration
     target = cfg.calibration_target * measured
     rms = layer_input_rms(model, batch, passes)
     if not target > 0:  # engine and trainer agree to the last bit: nothing to cover
-        _set_sigmas(model, rms, 0.0)
+        set_sigmas(model, [0.0] * len(rms))
         return {"calibration/train_engine_kl": measured, "calibration/target_kl": 0.0,
                 "calibration/perturbed_kl": 0.0, "calibration/scale": 0.0, "calibration/evaluations": 0.0}
     history: list[tuple[float, float]] = []
     scale = FIRST_SCALE
     for _ in range(MAX_EVALUATIONS):
-        _set_sigmas(model, rms, scale)
+        set_sigmas(model, [scale * r for r in rms])
         draws = [compute_logprobs(model, batch, perturb_step=-(iteration * NOISE_DRAWS + j + 1), **passes)
                  for j in range(NOISE_DRAWS)]
         history.append((scale, sum(k3_kl(batch.old_logprobs, d, batch.loss_mask) for d in draws) / NOISE_DRAWS))
@@ -179,6 +172,6 @@ def calibrate_sigma(model, batch: RLBatch, cfg: PerturbationConfig, *, iteration
             break
         scale = _next_scale(history, target)
     scale, kl = min(history, key=lambda h: abs(math.log(h[1] / target)) if 0 < h[1] < math.inf else math.inf)
-    _set_sigmas(model, rms, scale)
+    set_sigmas(model, [scale * r for r in rms])
     return {"calibration/train_engine_kl": measured, "calibration/target_kl": target,
             "calibration/perturbed_kl": kl, "calibration/scale": scale, "calibration/evaluations": float(len(history))}

@@ -174,14 +174,6 @@ def arm_perturbation(arm: Arm, cfg: Config, checkpoint: str, optimizer_state: bo
                                    "shape": saved["shape"]})
 
 
-def _set_sigma(model, sigma: float) -> None:
-    from megatron_alp.perturbation import controller_of
-
-    with torch.no_grad():
-        for site in controller_of(model).sites:
-            site.log_sigma.fill_(math.log(sigma) if sigma > 0 else -math.inf)
-
-
 def _rollout_batch(cfg: Config, engine, reward_fn, dataset, *, prompts: int, seed: int, pad_id: int):
     """One seed's batch as the trainer builds an iteration's: ``prompts`` training prompts drawn
     with ``seed``, ``n`` samples each (per-sample seeds from ``seed`` where the config seeds them),
@@ -234,7 +226,7 @@ def _update(arm: Arm, cfg: Config, batch, ref_lp, *, seed: int, checkpoint: str,
     from megatron_alp.micro_batch import Batching
     from megatron_alp.models.builder import build_gpt_model
     from megatron_alp.optim import build_optimizer, wrap_for_training
-    from megatron_alp.perturbation import gather_sigma_stats
+    from megatron_alp.perturbation import gather_sigma_stats, perturbation_sites, set_sigmas
     from megatron_alp.policy_update import compute_logprobs, train_mini_batch
 
     parallel = ParallelConfig(use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
@@ -256,7 +248,7 @@ def _update(arm: Arm, cfg: Config, batch, ref_lp, *, seed: int, checkpoint: str,
         optimizer, _ = build_optimizer(policy, cfg.optimizer, pert, parallel, total_steps=1)
     sigma = 0.0 if pert.enabled and not cfg.perturbation.enabled else arm.sigma
     if isinstance(sigma, float):
-        _set_sigma(model, sigma)
+        set_sigmas(model, [sigma] * len(perturbation_sites(model)))
     s, t = cfg.rollout.sampling, cfg.trainer
     common = dict(temperature=s.temperature, pad_id=pad_id, fused=t.fused_linear_logprobs)
     old = compute_logprobs(policy, batch, batching=Batching.for_logprobs(t), **common)

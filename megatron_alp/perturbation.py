@@ -283,6 +283,22 @@ def next_microbatch(model) -> None:
         c.begin_microbatch()
 
 
+def perturbation_sites(models) -> list[PerturbationSite]:
+    """The sites of ``models`` (this rank's chunks), in order."""
+    return [s for m in _as_list(models) if (c := controller_of(m)) is not None for s in c.sites]
+
+
+def set_sigmas(models, sigmas: list[float]) -> None:
+    """Set the sigma of every site (in :func:`perturbation_sites` order) in place: the optimizer's
+    fp32 copy of a sigma is the parameter itself or a view of it, so it follows."""
+    sites = perturbation_sites(models)
+    if len(sigmas) != len(sites):
+        raise ValueError(f"set_sigmas: {len(sigmas)} values for {len(sites)} perturbation sites")
+    with torch.no_grad():
+        for site, sigma in zip(sites, sigmas):
+            site.log_sigma.fill_(math.log(sigma) if sigma > 0 else float("-inf"))
+
+
 def sigma_parameters(models) -> list[torch.nn.Parameter]:
     return [p for m in _as_list(models) for p in m.parameters() if getattr(p, "is_alp_sigma", False)]
 
