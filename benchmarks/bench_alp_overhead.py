@@ -6,7 +6,7 @@ one rank in a 1-process group), three variants of the same step:
 - ``unperturbed``: the forward + backward outside ``perturbed_step`` (the ALP hooks are attached
   but inactive, so the same weights and batch serve all three variants);
 - ``alp-saved-eps``: every layer perturbed, autograd saving eps for sigma's gradient
-  (``megatron_alp.perturbation.REGENERATE_EPS = False``, the former implementation);
+  (``megatron_alp.training.perturbation.REGENERATE_EPS = False``, the former implementation);
 - ``alp-regen-eps``: every layer perturbed, eps redrawn in the backward (the default).
 
 Time: the variants alternate within each of ``--reps`` rounds (their order rotates), after
@@ -88,12 +88,12 @@ class Bench:
             raise SystemExit("--device cpu on a GPU machine: the project's builder places the model on the GPU")
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-        import megatron_alp.perturbation as alp
+        import megatron_alp.training.perturbation as alp
         from megatron_alp.config import ModelConfig, ParallelConfig, PerturbationConfig
-        from megatron_alp.models.builder import build_gpt_model
         from megatron_alp.models.families import hf_to_megatron
         from megatron_alp.models.tiny import tiny_hf_config
-        from megatron_alp.parallel import init_distributed
+        from megatron_alp.runtime.parallel import init_distributed
+        from megatron_alp.training.builder import build_gpt_model
 
         self.torch, self.alp, self.ce = torch, alp, vocab_parallel_cross_entropy
         par = ParallelConfig()

@@ -71,10 +71,10 @@ def child(mode: str, src: str, dst: str, shard_bytes: int) -> dict:
     import torch
 
     from checkpoint_tools import build_model, parallel_config
-    from megatron_alp.dist_checkpoint import load_checkpoint, read_metadata, save_checkpoint
     from megatron_alp.models.hf_weights import iter_hf_weights, local_params, open_hf_checkpoint
     from megatron_alp.models.sharding import shard
-    from megatron_alp.parallel import init_distributed
+    from megatron_alp.runtime.parallel import init_distributed
+    from megatron_alp.training.dist_checkpoint import load_checkpoint, read_metadata, save_checkpoint
 
     par = parallel_config(1, 1, 1, moe=False)
     init_distributed(par)

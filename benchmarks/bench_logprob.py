@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_alp.logprobs import linear_token_logprobs, reference_token_logprobs, token_logprobs  # noqa: E402
+from megatron_alp.training.logprobs import linear_token_logprobs, reference_token_logprobs, token_logprobs  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PATHS = ("naive", "fused", "linear")

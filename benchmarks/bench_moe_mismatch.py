@@ -36,23 +36,23 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_alp.config import ModelConfig, ParallelConfig, PerturbationConfig, RolloutConfig, SamplingConfig, \
-    config_from_dict  # noqa: E402
-from megatron_alp.console import library_output_to, say  # noqa: E402
-from megatron_alp.micro_batch import Batching  # noqa: E402
-from megatron_alp.models.builder import build_gpt_model  # noqa: E402
+from megatron_alp.config import ModelConfig, ParallelConfig, PerturbationConfig, RolloutConfig, SamplingConfig  # noqa: E402
+from megatron_alp.data.trajectory import Trajectory  # noqa: E402
 from megatron_alp.models.families import hf_to_megatron, load_hf_config  # noqa: E402
 from megatron_alp.models.hf_weights import load_hf_weights  # noqa: E402
 from megatron_alp.models.tiny import make_tiny_model  # noqa: E402
-from megatron_alp.parallel import init_distributed  # noqa: E402
-from megatron_alp.perturbation import sigma_parameters  # noqa: E402
-from megatron_alp.platform import has_gpu  # noqa: E402
-from megatron_alp.policy_update import compute_logprobs  # noqa: E402
-from megatron_alp.rl_batch import build_rl_batch  # noqa: E402
+from megatron_alp.resolve import config_from_dict  # noqa: E402
 from megatron_alp.rollout import SamplingParams, build_engine  # noqa: E402
-from megatron_alp.rollout.base import Trajectory  # noqa: E402
 from megatron_alp.rollout.quantization import cpu_has_fp8_kv_kernels  # noqa: E402
-from megatron_alp.routing_replay import RoutingPlan, routing_metrics  # noqa: E402
+from megatron_alp.runtime.console import library_output_to, say  # noqa: E402
+from megatron_alp.runtime.parallel import init_distributed  # noqa: E402
+from megatron_alp.runtime.platform import has_gpu  # noqa: E402
+from megatron_alp.training.builder import build_gpt_model  # noqa: E402
+from megatron_alp.training.micro_batch import Batching  # noqa: E402
+from megatron_alp.training.perturbation import sigma_parameters  # noqa: E402
+from megatron_alp.training.policy_update import compute_logprobs  # noqa: E402
+from megatron_alp.training.rl_batch import build_rl_batch  # noqa: E402
+from megatron_alp.training.routing_replay import RoutingPlan, routing_metrics  # noqa: E402
 
 
 def rollouts(model_dir: Path, args) -> list[Trajectory]:

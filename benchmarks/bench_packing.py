@@ -5,7 +5,7 @@ RL responses have long-tailed lengths. ``--sequences`` sequences get a prompt of
 response drawn from a lognormal (median ``--median``, sigma ``--sigma``, capped at ``--cap``). Each
 configuration runs the policy update of a random Megatron GPT (Megatron-Core, local spec on the
 CPU, one rank) on the whole batch -- forward, backward and one optimizer step with
-:func:`~megatron_alp.policy_update.train_mini_batch` -- in alternating rounds; the median time per
+:func:`~megatron_alp.training.policy_update.train_mini_batch` -- in alternating rounds; the median time per
 configuration and the ratio to the padded baseline are printed side by side with computed tokens:
 
 - ``padded``: ``--rows`` rows per micro-batch, longest first (the row-count mode);
@@ -36,17 +36,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_alp.balance import imbalance, sequence_cost  # noqa: E402
+from megatron_alp.algorithms.balance import imbalance, sequence_cost  # noqa: E402
 from megatron_alp.config import LossConfig, ModelConfig, OptimizerConfig, ParallelConfig, PerturbationConfig  # noqa: E402
-from megatron_alp.metrics import StepMetrics  # noqa: E402
-from megatron_alp.micro_batch import Batching  # noqa: E402
-from megatron_alp.models.builder import build_gpt_model  # noqa: E402
 from megatron_alp.models.families import hf_to_megatron  # noqa: E402
 from megatron_alp.models.tiny import tiny_hf_config  # noqa: E402
-from megatron_alp.optim import build_optimizer, wrap_for_training  # noqa: E402
-from megatron_alp.parallel import init_distributed  # noqa: E402
-from megatron_alp.policy_update import train_mini_batch  # noqa: E402
-from megatron_alp.rl_batch import RLBatch, dp_assignment, dp_shard  # noqa: E402
+from megatron_alp.runtime.parallel import init_distributed  # noqa: E402
+from megatron_alp.training.builder import build_gpt_model  # noqa: E402
+from megatron_alp.training.micro_batch import Batching  # noqa: E402
+from megatron_alp.training.optim import build_optimizer, wrap_for_training  # noqa: E402
+from megatron_alp.training.policy_update import train_mini_batch  # noqa: E402
+from megatron_alp.training.rl_batch import RLBatch, dp_assignment, dp_shard  # noqa: E402
+from megatron_alp.training.step_metrics import StepMetrics  # noqa: E402
 
 
 def make_batch(args) -> RLBatch:

@@ -52,8 +52,8 @@ sys.path.insert(0, str(ROOT))
 
 from megatron_alp.config import RolloutConfig  # noqa: E402
 from megatron_alp.models.tiny import make_tiny_model  # noqa: E402
-from megatron_alp.parallel import free_port  # noqa: E402
 from megatron_alp.rollout import SamplingParams, build_engine  # noqa: E402
+from megatron_alp.runtime.parallel import free_port  # noqa: E402
 
 SIZES = {
     "tiny": {},
@@ -213,8 +213,8 @@ def replica_worker(job: str) -> None:
     import torch.distributed as dist
 
     from megatron_alp.config import ParallelConfig
-    from megatron_alp.parallel import init_distributed
     from megatron_alp.rollout import DistributedRollout
+    from megatron_alp.runtime.parallel import init_distributed
 
     args = argparse.Namespace(**json.loads(Path(job).read_text()))
     init_distributed(ParallelConfig(), seed=0)

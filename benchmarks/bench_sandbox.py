@@ -5,7 +5,7 @@
 
 Runs a trivial snippet through a bare ``python -I`` subprocess (the floor of any
 process-per-execution design), through the sandbox of this checkout and through the previous,
-single-module sandbox (``megatron_alp/tir/sandbox.py`` as of git revision REF; ``auto``: the last
+single-module sandbox (``megatron_alp/tir/sandbox/`` as of git revision REF; ``auto``: the last
 revision that had it), measured alternately so that load on the machine hits both alike. Prints
 the median latency of each, the hardening's cost per execution (target: at most +15 ms), and
 executions per second through ``run_many`` at several worker counts with the ratio of the two
@@ -30,7 +30,7 @@ from megatron_alp.config import SandboxConfig  # noqa: E402
 from megatron_alp.tir.sandbox import SandboxExecutor  # noqa: E402
 
 SNIPPET = "total = sum(i * i for i in range(1000))\nprint(total)"
-OLD_PATH = "megatron_alp/tir/sandbox.py"
+OLD_PATH = "megatron_alp/tir/sandbox/"
 
 
 def load_baseline(ref: str, workdir: str):

@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from megatron_alp.policy_loss import POLICY_LOSSES
+from megatron_alp.algorithms.policy_loss import POLICY_LOSSES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,7 +39,7 @@ def run_method(method: str, run_dir: Path, base: Path | None, args) -> list[dict
     overrides = [
         f"trainer.output_dir={run_dir}", f"trainer.iterations={args.iterations}",
         f"trainer.save_interval={args.iterations}", "trainer.progress_bar=false", "trainer.tensorboard=false",
-        # the loss declares whether it perturbs and its clip range (megatron_alp/policy_loss.py)
+        # the loss declares whether it perturbs and its clip range (megatron_alp/algorithms/policy_loss.py)
         f"loss.name={method}", "perturbation.enabled=null", "loss.clip_low=null", "loss.clip_high=null",
         f"rollout.dtype={args.rollout_dtype}", f"rollout.quantization={args.quantization}",
         *args.overrides,

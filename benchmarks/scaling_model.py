@@ -18,14 +18,14 @@ already separate keeps its own ``rollout.gpus`` and utilization.
 
 - rollout: each sample's response length is drawn once (seeded lognormal with mean
   --mean-response and --response-cv, clipped to max_response_length). Whole groups go to the
-  replicas the way DistributedRollout.split does when prompts are alike (megatron_alp.balance
+  replicas the way DistributedRollout.split does when prompts are alike (megatron_alp.algorithms.balance
   .partition of equal costs: round robin), and the step waits for the slowest replica. A replica
   of TP t decodes B sequences at once, B = min(its samples, its KV cache / one mean sequence,
   --max-num-seqs); one decode step costs max(matmul FLOPs at --gen-mfu, HBM traffic of its weights
   and KV cache at --hbm-eff) + --step-ms. A replica takes max(its tokens / B steps of B, its
   longest response x a step of 1): throughput-bound or tail-bound. One engine = one replica of TP
   t, the other GPUs idle while it generates.
-- offload: Megatron's offloaded state (megatron_alp.plan) to pinned host memory and back, and the
+- offload: Megatron's offloaded state (megatron_alp.trainer.memory_plan) to pinned host memory and back, and the
   sleeping engine's weights out and back, at --pcie-gbps.
 - logprob passes (old policy if the loss or the mismatch metrics need it, reference if kl_coef > 0)
   and the update (forward + backward, one more forward with recompute: full): 2 x active
@@ -55,10 +55,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megatron_alp.balance import partition  # noqa: E402
-from megatron_alp.config import Config, ConfigError, apply_overrides, config_from_dict, load_config  # noqa: E402
-from megatron_alp.plan import DTYPE_BYTES, Architecture, memory_plan, resolve_architecture  # noqa: E402
-from megatron_alp.policy_loss import needs_old_logprobs  # noqa: E402
+from megatron_alp.algorithms.balance import partition  # noqa: E402
+from megatron_alp.algorithms.policy_loss import needs_old_logprobs  # noqa: E402
+from megatron_alp.config import Config, ConfigError, apply_overrides  # noqa: E402
+from megatron_alp.resolve import config_from_dict, load_config
+from megatron_alp.trainer.memory_plan import DTYPE_BYTES, Architecture, memory_plan, resolve_architecture  # noqa: E402
 
 CONFIGS = ["configs/qwen2.5-math-1.5b_token_alp.yaml", "configs/qwen2.5-7b_tir_seq_alp.yaml",
            "configs/qwen3-30b-a3b_seq_alp.yaml"]

@@ -37,8 +37,8 @@ def build_model(hf_config: dict, parallel, dtype: str, layer_spec: str, source: 
     random initialisation on the CPU materialises each full weight in float32 first, which would
     make the model's construction, not the conversion, the memory peak."""
     from megatron_alp.config import ModelConfig
-    from megatron_alp.models.builder import build_gpt_model
     from megatron_alp.models.families import hf_to_megatron
+    from megatron_alp.training.builder import build_gpt_model
 
     cfg = ModelConfig(hf_path=source, dtype=dtype, layer_spec=layer_spec)
     args = hf_to_megatron(hf_config).replace(perform_initialization=False)
@@ -49,8 +49,8 @@ def hf_source(mcore_dir, hf_ref: Optional[str] = None, *, need_tokenizer: bool) 
     """The HF config a Megatron checkpoint recorded and the folder of its tokenizer files (None if
     it has none). ``hf_ref`` (``--hf-ref``) replaces both: checkpoints saved without them need it.
     The errors name what the checkpoint lacks and the option."""
-    from megatron_alp.dist_checkpoint import HF_SUBDIR, META_FILE, read_metadata
     from megatron_alp.models.families import load_hf_config
+    from megatron_alp.training.dist_checkpoint import HF_SUBDIR, META_FILE, read_metadata
 
     mcore_dir = Path(mcore_dir)
     meta = read_metadata(mcore_dir)

@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 import checkpoint_tools
-from megatron_alp.parallel import free_port
+from megatron_alp.runtime.parallel import free_port
 
 BAD_INPUT = (ValueError, FileNotFoundError, FileExistsError, KeyError)
 
@@ -84,8 +84,8 @@ def _hf_config_of(args) -> dict:
 
         return open_hf_checkpoint(args.hf)[0]
     if args.action == "verify":
-        from megatron_alp.dist_checkpoint import read_metadata
         from megatron_alp.models.families import load_hf_config
+        from megatron_alp.training.dist_checkpoint import read_metadata
 
         read_metadata(args.mcore)
         return load_hf_config(args.hf)
@@ -103,7 +103,7 @@ def check(args):
     if out is not None and Path(out).exists():
         raise FileExistsError(f"--out {out} already exists; choose a new directory")
     margs = hf_to_megatron(_hf_config_of(args))
-    from megatron_alp.models.builder import check_parallel_layout  # imports Megatron: after the cheap checks
+    from megatron_alp.training.builder import check_parallel_layout  # imports Megatron: after the cheap checks
 
     parallel = checkpoint_tools.parallel_config(args.tp, args.pp, args.ep, moe="num_moe_experts" in margs.transformer)
     check_parallel_layout(margs, parallel)
@@ -162,7 +162,7 @@ def _fail(args, err: BaseException) -> int:
 
 
 def _run_here(args, parallel) -> int:
-    from megatron_alp.parallel import destroy_distributed
+    from megatron_alp.runtime.parallel import destroy_distributed
 
     try:
         _execute(args, parallel)

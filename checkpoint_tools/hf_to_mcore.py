@@ -16,9 +16,9 @@ from checkpoint_tools import build_model, dtype_name
 
 def convert(hf_dir, out_dir, parallel, *, layer_spec: str = "auto", dtype: Optional[str] = None) -> None:
     """Write ``out_dir`` from ``hf_dir`` (dtype: the HF weights' own unless given)."""
-    from megatron_alp.dist_checkpoint import save_checkpoint
     from megatron_alp.models.hf_weights import load_hf_weights, open_hf_checkpoint
-    from megatron_alp.parallel import init_distributed
+    from megatron_alp.runtime.parallel import init_distributed
+    from megatron_alp.training.dist_checkpoint import save_checkpoint
 
     hf_dir = Path(hf_dir)
     hf_config, _, ckpt = open_hf_checkpoint(hf_dir)

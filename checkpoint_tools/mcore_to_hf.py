@@ -30,9 +30,9 @@ def convert(mcore_dir, out_dir, parallel, *, hf_ref: Optional[str] = None, layer
     """Write the HF directory ``out_dir`` from the Megatron checkpoint ``mcore_dir``."""
     import torch.distributed as dist
 
-    from megatron_alp.dist_checkpoint import load_checkpoint, read_metadata
     from megatron_alp.models.hf_weights import copy_hf_side_files, iter_hf_weights, write_hf_folder
-    from megatron_alp.parallel import init_distributed
+    from megatron_alp.runtime.parallel import init_distributed
+    from megatron_alp.training.dist_checkpoint import load_checkpoint, read_metadata
 
     mcore_dir = Path(mcore_dir)
     dtype = read_metadata(mcore_dir)["dtype"]

@@ -17,8 +17,8 @@ from checkpoint_tools import build_model, hf_source
 
 def reshard(mcore_dir, out_dir, parallel, *, hf_ref: Optional[str] = None, layer_spec: str = "auto") -> None:
     from megatron_alp.config import PerturbationConfig
-    from megatron_alp.dist_checkpoint import load_checkpoint, read_metadata, save_checkpoint
-    from megatron_alp.parallel import init_distributed
+    from megatron_alp.runtime.parallel import init_distributed
+    from megatron_alp.training.dist_checkpoint import load_checkpoint, read_metadata, save_checkpoint
 
     mcore_dir = Path(mcore_dir)
     meta = read_metadata(mcore_dir)

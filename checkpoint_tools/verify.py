@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 from checkpoint_tools import build_model
-from megatron_alp.comm import comm_device
-from megatron_alp.platform import device
+from megatron_alp.runtime.comm import comm_device
+from megatron_alp.runtime.platform import device
 
 DEFAULT_TOL = 1e-4
 
@@ -63,9 +63,9 @@ def verify(hf_dir, mcore_dir, parallel, *, layer_spec: str = "auto", tol: float 
     """Max |logit difference|, reduced over ranks; prints it on rank 0. Raises if above ``tol``."""
     import torch.distributed as dist
 
-    from megatron_alp.dist_checkpoint import load_checkpoint, read_metadata
     from megatron_alp.models.families import load_hf_config
-    from megatron_alp.parallel import init_distributed
+    from megatron_alp.runtime.parallel import init_distributed
+    from megatron_alp.training.dist_checkpoint import load_checkpoint, read_metadata
 
     hf_config = load_hf_config(hf_dir)
     read_metadata(mcore_dir)

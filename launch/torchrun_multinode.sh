@@ -39,7 +39,8 @@ done
 
 if [ -z "${NPROC_PER_NODE:-}" ]; then  # the GPUs that rollout.gpus leaves to the trainer
   engine_gpus=$("$PYTHON" -c 'import sys
-from megatron_alp.config import ConfigError, load_config
+from megatron_alp.config import ConfigError
+from megatron_alp.resolve import load_config
 try:
     r = load_config(sys.argv[1], [a for a in sys.argv[2:] if "=" in a and not a.startswith("-")]).rollout
 except ConfigError as err:

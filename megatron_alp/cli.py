@@ -1,4 +1,5 @@
-"""`megatron-alp` command line: one subcommand per job, each implemented in its own module.
+"""`megatron-alp` command line: one subcommand per job, each a module of :mod:`megatron_alp.commands`
+(``convert``: :mod:`checkpoint_tools.cli`).
 
 Bad input (:class:`~megatron_alp.config.InputError`: a config key, a data file, an argument, or a
 path that does not exist) is reported as one message on stderr with exit status 2; a traceback
@@ -13,20 +14,21 @@ import os
 import sys
 
 from megatron_alp.config import InputError
+from megatron_alp.runtime.console import held_warnings
 
 # subcommand -> (module, help). Each module defines add_arguments(parser) and run(args) -> int.
 COMMANDS = {
-    "train": ("megatron_alp.trainer", "Run RL training (GRPO/ALP) from a YAML config."),
-    "eval": ("megatron_alp.evaluate", "average@k / pass@k on math benchmarks."),
-    "mismatch": ("megatron_alp.mismatch", "Training-inference mismatch of the config's engine settings (no training)."),
-    "intervene": ("megatron_alp.intervene", "One update from one checkpoint twice, with and without ALP noise: the "
+    "train": ("megatron_alp.commands.train", "Run RL training (GRPO/ALP) from a YAML config."),
+    "eval": ("megatron_alp.commands.eval", "average@k / pass@k on math benchmarks."),
+    "mismatch": ("megatron_alp.commands.mismatch", "Training-inference mismatch of the config's engine settings (no training)."),
+    "intervene": ("megatron_alp.commands.intervene", "One update from one checkpoint twice, with and without ALP noise: the "
                   "log-ratio envelope after each (paper Figure 3)."),
-    "plot": ("megatron_alp.plot", "Draw the diagnostic figures of a run directory."),
+    "plot": ("megatron_alp.commands.plot", "Draw the diagnostic figures of a run directory."),
     "convert": ("checkpoint_tools.cli", "Convert and verify HF <-> Megatron checkpoints."),
-    "smoke": ("megatron_alp.smoke", "Tiny model, one perturbed forward/backward (install check)."),
-    "make-tiny": ("megatron_alp.models.tiny", "Write a tiny random HF model + tokenizer directory."),
-    "plan": ("megatron_alp.plan", "Per-GPU memory of each phase of a config, and whether it fits."),
-    "config-docs": ("megatron_alp.config_docs", "Print the configuration reference (Markdown)."),
+    "smoke": ("megatron_alp.commands.smoke", "Tiny model, one perturbed forward/backward (install check)."),
+    "make-tiny": ("megatron_alp.commands.make_tiny", "Write a tiny random HF model + tokenizer directory."),
+    "plan": ("megatron_alp.commands.plan", "Per-GPU memory of each phase of a config, and whether it fits."),
+    "config-docs": ("megatron_alp.commands.config_docs", "Print the configuration reference (Markdown)."),
 }
 
 EXIT_BAD_INPUT = 2
@@ -48,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if argv[0] not in COMMANDS:
         parser.error(f"unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}")
-    module = importlib.import_module(COMMANDS[argv[0]][0])
+    with held_warnings():  # import-time warnings of the libraries belong in the command's log
+        module = importlib.import_module(COMMANDS[argv[0]][0])
     cmd_parser = argparse.ArgumentParser(prog=f"megatron-alp {argv[0]}", description=COMMANDS[argv[0]][1])
     module.add_arguments(cmd_parser)
     try:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megatron_alp.parallel import free_port
+from megatron_alp.runtime.parallel import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

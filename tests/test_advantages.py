@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_alp.advantages import group_advantages
+from megatron_alp.algorithms.advantages import group_advantages
 
 
 def test_matches_per_group_mean_and_std():

@@ -1,11 +1,11 @@
-"""Greedy splitting of work into balanced bins (megatron_alp/balance.py)."""
+"""Greedy splitting of work into balanced bins (megatron_alp/algorithms/balance.py)."""
 
 import itertools
 import random
 
 import pytest
 
-from megatron_alp.balance import imbalance, partition
+from megatron_alp.algorithms.balance import imbalance, partition
 
 
 def brute_force_best(costs, bins):

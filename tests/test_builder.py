@@ -2,12 +2,12 @@
 single-rank model's (torchrun, gloo), and unsupported families and layouts are named errors."""
 
 import pytest
-
 from helpers import read_results, torchrun
+
 from megatron_alp.config import ParallelConfig
-from megatron_alp.models.builder import check_parallel_layout
 from megatron_alp.models.families import hf_to_megatron
 from megatron_alp.models.tiny import tiny_hf_config
+from megatron_alp.training.builder import check_parallel_layout
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "qwen3_moe"])

@@ -3,10 +3,10 @@
 import math
 
 import pytest
-
 from helpers import read_results, torchrun
-from megatron_alp.calibration import _next_scale, calibration_due
+
 from megatron_alp.config import PerturbationConfig
+from megatron_alp.training.calibration import _next_scale, calibration_due
 
 
 @pytest.fixture(scope="module")

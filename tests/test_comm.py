@@ -1,7 +1,7 @@
 """Every collective's tensors sit on a device its group's backend takes on a GPU job (NCCL:
 accelerator tensors, gloo: CPU tensors), checked without a GPU: under
 MEGATRON_ALP_CHECK_COLLECTIVE_DEVICES=1 the CPU shims track which tensors a GPU job holds on its
-GPU and every tensor collective refuses a wrong one (megatron_alp.comm). The checker must catch
+GPU and every tensor collective refuses a wrong one (megatron_alp.runtime.comm). The checker must catch
 both kinds of mistake, and the trainer must run under it with data, pipeline and expert
 parallelism (torchrun, 2 gloo ranks)."""
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from helpers import read_results, torchrun
 from test_trainer import metrics, train
 

@@ -4,7 +4,8 @@ command-line overrides and layer selections."""
 import pytest
 import yaml
 
-from megatron_alp.config import ConfigError, config_from_dict, load_config, parse_layer_selection
+from megatron_alp.config import ConfigError, parse_layer_selection
+from megatron_alp.resolve import config_from_dict, load_config
 
 
 def _minimal(**sections):
@@ -88,10 +89,10 @@ def test_moe_defaults_and_resolution():
 
 
 def test_routing_replay_on_a_dense_checkpoint_is_refused_when_the_model_is_built():
-    from megatron_alp.models.builder import check_moe
+    from megatron_alp.config import MoEConfig
     from megatron_alp.models.families import hf_to_megatron
     from megatron_alp.models.tiny import tiny_hf_config
-    from megatron_alp.config import MoEConfig
+    from megatron_alp.training.builder import check_moe
 
     with pytest.raises(ConfigError, match="moe.routing_replay=r3 needs a mixture-of-experts model; this qwen3 model"):
         check_moe(hf_to_megatron(tiny_hf_config("qwen3")), MoEConfig(routing_replay="r3"))

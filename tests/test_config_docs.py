@@ -2,9 +2,9 @@
 
 from pathlib import Path
 
+from megatron_alp.algorithms.policy_loss import POLICY_LOSSES
 from megatron_alp.cli import main as cli_main
-from megatron_alp.config_docs import config_docs
-from megatron_alp.policy_loss import POLICY_LOSSES
+from megatron_alp.commands.config_docs import config_docs
 
 ROOT = Path(__file__).resolve().parents[1]
 

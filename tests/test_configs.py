@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_alp.config import (TIR_SYSTEM_PROMPT, ConfigError, DataConfig, config_from_dict,
-                                 load_config, parse_layer_selection)
+from megatron_alp.config import TIR_SYSTEM_PROMPT, ConfigError, DataConfig, parse_layer_selection
+from megatron_alp.resolve import config_from_dict, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT, read_results, torchrun
 from safetensors.torch import load_file, save_file
 
-from helpers import ROOT, read_results, torchrun
 from megatron_alp.models.families import load_hf_config
 from megatron_alp.models.tiny import make_tiny_model
 from megatron_alp.models.weight_mapping import WeightMapping
@@ -238,7 +238,7 @@ def test_cli_bf16_stays_bf16_and_loads_in_vllm(tmp_path):
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
 
-    from megatron_alp.rollout.vllm_engine import forget_dead_vllm_groups
+    from megatron_alp.rollout.vllm.engine import forget_dead_vllm_groups
 
     prompt = [5, 17, 42, 99, 7]
     forget_dead_vllm_groups()  # torch.distributed may have been torn down by an earlier test
@@ -265,7 +265,7 @@ def test_cli_reshard_keeps_sigmas_and_export_drops_them(dist_run, models, tmp_pa
     assert meta["extra"] == {"iteration": 3}
     code = (
         "import os, json, torch.distributed as dist\n"
-        "from megatron_alp.parallel import free_port\n"
+        "from megatron_alp.runtime.parallel import free_port\n"
         "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(free_port()), RANK='0', WORLD_SIZE='1')\n"
         "dist.init_process_group('gloo')\n"
         "from megatron.core import dist_checkpointing\n"

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from megatron_alp.config import DataConfig
-from megatron_alp.data import DataError, PromptDataset, PromptSampler, load_tokenizer
+from megatron_alp.data.prompts import DataError, PromptDataset, PromptSampler, load_tokenizer
 from megatron_alp.models.tiny import save_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

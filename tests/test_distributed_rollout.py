@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from helpers import read_results, torchrun
+
 from megatron_alp.models.tiny import make_tiny_model
 
 

@@ -8,8 +8,8 @@ import itertools
 import pytest
 import torch
 
-from megatron_alp.advantages import group_advantages
-from megatron_alp.dynamic_sampling import Groups, fill_batch, round_size, zero_variance
+from megatron_alp.algorithms.advantages import group_advantages
+from megatron_alp.algorithms.dynamic_sampling import Groups, fill_batch, round_size, zero_variance
 
 N = 4
 

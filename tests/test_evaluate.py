@@ -11,20 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_alp.config import ConfigError, config_from_dict
-from megatron_alp.data import DataError, load_tokenizer
-from megatron_alp.evaluate import (
-    format_table,
-    generate,
-    load_benchmark,
-    parse_file_arg,
-    pass_at_k,
-    response_budget,
-    score_matrix,
-    summarize,
-    validation_metrics,
-)
+from megatron_alp.algorithms.pass_at_k import pass_at_k, score_matrix
+from megatron_alp.batches.evaluation import load_benchmark, response_budget, summarize, validation_metrics
+from megatron_alp.commands.eval import format_table, generate, parse_file_arg
+from megatron_alp.config import ConfigError
+from megatron_alp.data.prompts import DataError, load_tokenizer
 from megatron_alp.models.tiny import make_tiny_model, save_tokenizer
+from megatron_alp.resolve import config_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "data" / "benchmarks"

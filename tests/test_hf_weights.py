@@ -20,7 +20,7 @@ from megatron_alp.models.families import hf_to_megatron
 from megatron_alp.models.hf_weights import _Param
 from megatron_alp.models.tiny import tiny_hf_config
 from megatron_alp.models.weight_mapping import WeightMapping
-from megatron_alp.parallel import init_distributed
+from megatron_alp.runtime.parallel import init_distributed
 
 init_distributed(ParallelConfig())
 mapping = WeightMapping.from_args(hf_to_megatron(tiny_hf_config("qwen3_moe")))
@@ -46,7 +46,7 @@ print("OK")
 def test_expert_weights_follow_the_rule_not_te_attributes():
     """MoE + TE spec + EP > 1: TE marks expert linear_fc2 weights partition_dim=0 while Megatron splits
     them along dim 1 (row parallel); the mapping must not refuse them. Dense weights stay checked."""
-    from megatron_alp.parallel import free_port
+    from megatron_alp.runtime.parallel import free_port
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,

@@ -49,8 +49,8 @@ def _config(tmp_path: Path, model: Path) -> Path:
 
 def _measure(config: Path, model: Path, compare: str | None, *overrides: str, checkpoint: Path | None = None,
              optimizer_state: bool = False):
-    from megatron_alp.config import load_config
-    from megatron_alp.intervene import arm_config, measure, parse_compare
+    from megatron_alp.commands.intervene import arm_config, measure, parse_compare
+    from megatron_alp.resolve import load_config
 
     cfg = load_config(config, list(overrides))
     arms = {arm: arm_config(str(config), list(overrides), arm) for arm in parse_compare(compare, cfg)}
@@ -63,16 +63,16 @@ def trained(tiny, tmp_path_factory) -> Path:
     """A megatron-alp checkpoint as training saves it: ALP sites (sigma 1e-3) and the Adam state of
     two Token-ALP steps on random sequences."""
     from megatron_alp.config import LossConfig, ModelConfig, OptimizerConfig, ParallelConfig, PerturbationConfig
-    from megatron_alp.dist_checkpoint import save_checkpoint
-    from megatron_alp.metrics import StepMetrics
-    from megatron_alp.micro_batch import Batching
-    from megatron_alp.models.builder import build_gpt_model
     from megatron_alp.models.families import hf_to_megatron, load_hf_config
     from megatron_alp.models.hf_weights import load_hf_weights
-    from megatron_alp.optim import build_optimizer, wrap_for_training
-    from megatron_alp.parallel import destroy_distributed, init_distributed
-    from megatron_alp.policy_update import compute_logprobs, train_mini_batch
-    from megatron_alp.rl_batch import RLBatch
+    from megatron_alp.runtime.parallel import destroy_distributed, init_distributed
+    from megatron_alp.training.builder import build_gpt_model
+    from megatron_alp.training.dist_checkpoint import save_checkpoint
+    from megatron_alp.training.micro_batch import Batching
+    from megatron_alp.training.optim import build_optimizer, wrap_for_training
+    from megatron_alp.training.policy_update import compute_logprobs, train_mini_batch
+    from megatron_alp.training.rl_batch import RLBatch
+    from megatron_alp.training.step_metrics import StepMetrics
 
     ckpt = tmp_path_factory.mktemp("intervene_ckpt") / "iter_0000002"
     par, pert = ParallelConfig(), PerturbationConfig(enabled=True, init_std=1e-3)

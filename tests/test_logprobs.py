@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_alp.logprobs import linear_token_logprobs, reference_token_logprobs, token_logprobs
+from megatron_alp.training.logprobs import linear_token_logprobs, reference_token_logprobs, token_logprobs
 
 
 def _random(b, s, v, dtype, seed=0):
@@ -170,7 +170,7 @@ def test_temperature_matches_vllm_processed_logprobs(tiny_qwen2, tmp_path, monke
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
 
-    from megatron_alp.rollout.vllm_engine import forget_dead_vllm_groups
+    from megatron_alp.rollout.vllm.engine import forget_dead_vllm_groups
 
     T = 0.6
     forget_dead_vllm_groups()  # torch.distributed may have been torn down by an earlier test

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_alp.algorithms.policy_loss import LossInputs, policy_loss
 from megatron_alp.config import LossConfig
-from megatron_alp.metrics import StepMetrics, token_prob_pairs
-from megatron_alp.policy_loss import LossInputs, policy_loss
+from megatron_alp.training.step_metrics import StepMetrics, token_prob_pairs
 
 
 def make_step(B=10, T=12, seed=0):

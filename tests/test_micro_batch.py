@@ -1,4 +1,4 @@
-"""Micro-batches by rows, by token budget, and packed (megatron_alp/micro_batch.py); and, on real
+"""Micro-batches by rows, by token budget, and packed (megatron_alp/training/micro_batch.py); and, on real
 Megatron models over gloo, packed / budgeted / fused-linear passes equal the padded pass."""
 
 from __future__ import annotations
@@ -7,11 +7,12 @@ import random
 
 import pytest
 import torch
-
 from helpers import read_results, torchrun
-from megatron_alp.config import ConfigError, config_from_dict
-from megatron_alp.micro_batch import Batching, micro_batches
-from megatron_alp.rl_batch import RLBatch
+
+from megatron_alp.config import ConfigError
+from megatron_alp.resolve import config_from_dict
+from megatron_alp.training.micro_batch import Batching, micro_batches
+from megatron_alp.training.rl_batch import RLBatch
 
 
 def _batch(lengths: list[int], seed: int = 0) -> RLBatch:

@@ -17,7 +17,8 @@ import torch
 
 from megatron_alp.cli import EXIT_BAD_INPUT
 from megatron_alp.cli import main as cli_main
-from megatron_alp.mismatch import format_table, mismatch_report, position_edges
+from megatron_alp.commands.mismatch import format_table
+from megatron_alp.diagnostics.mismatch_report import mismatch_report, position_edges
 
 ROOT = Path(__file__).resolve().parents[1]
 FP32_TOL = 1e-4  # float32 engine vs float32 Megatron: kernels and reduction orders differ, nothing else
@@ -173,12 +174,12 @@ def test_model_load_weights_reach_the_engine(tmp_path):
     on model.hf_path: float32 on both sides agrees to rounding only if the sync took place. Run as
     the user runs it, to see that the terminal gets only the command's own lines."""
     from megatron_alp.config import ModelConfig, ParallelConfig
-    from megatron_alp.dist_checkpoint import save_checkpoint
-    from megatron_alp.models.builder import build_gpt_model
     from megatron_alp.models.families import hf_to_megatron, load_hf_config
     from megatron_alp.models.hf_weights import load_hf_weights
     from megatron_alp.models.tiny import make_tiny_model
-    from megatron_alp.parallel import destroy_distributed, init_distributed
+    from megatron_alp.runtime.parallel import destroy_distributed, init_distributed
+    from megatron_alp.training.builder import build_gpt_model
+    from megatron_alp.training.dist_checkpoint import save_checkpoint
 
     base = make_tiny_model("qwen2", tmp_path / "base", seed=0)
     trained = make_tiny_model("qwen2", tmp_path / "trained", seed=1)

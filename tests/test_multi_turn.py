@@ -222,7 +222,7 @@ def test_void_turns_kept_when_not_masked(tok, executor):
 def test_tir_warm_start_target_is_an_episode_token_for_token(tok, executor, tool_format):
     """The TIR warm start teaches exactly what an episode is: a policy that samples its model tokens
     gets the same response ids (with the sandbox's real output) and the same loss mask."""
-    from megatron_alp.warmstart import target_ids
+    from megatron_alp.trainer.warm_start import target_ids
 
     ids, mask = target_ids("tir", tok, "What is 7 + 9?", "16", tool_format)
     scripts = {"warm": ["```python\nprint(7 + 9)\n```\n", "The answer is \\boxed{16}."]}
@@ -236,8 +236,8 @@ def test_tir_warm_start_target_is_an_episode_token_for_token(tok, executor, tool
 
 
 def test_tir_warm_start_reads_the_problem(tok):
-    from megatron_alp.data import Prompt
-    from megatron_alp.warmstart import tir_code, warmup_examples
+    from megatron_alp.data.prompts import Prompt
+    from megatron_alp.trainer.warm_start import tir_code, warmup_examples
 
     assert tir_code("What is 7 + 9?", "16") == ("print(7 + 9)\n", "16\n")
     assert tir_code("Compute 4 - 3.", "1") == ("print(4 - 3)\n", "1\n")
@@ -255,7 +255,7 @@ def test_tir_warm_start_reads_the_problem(tok):
 
 
 def test_tir_metrics():
-    from megatron_alp.rollout.base import Trajectory
+    from megatron_alp.data.trajectory import Trajectory
     from megatron_alp.tir.multi_turn import tir_metrics
 
     def traj(turns, executions, void, status, finish="stop"):
@@ -412,7 +412,7 @@ class VLLMAdapter(RolloutEngine):
     def __init__(self, model_dir, regex):
         from vllm import LLM
 
-        from megatron_alp.rollout.vllm_engine import forget_dead_vllm_groups
+        from megatron_alp.rollout.vllm.engine import forget_dead_vllm_groups
 
         forget_dead_vllm_groups()  # torch.distributed may have been torn down by an earlier test
         self.llm = LLM(model=str(model_dir), dtype="bfloat16", max_model_len=512, enforce_eager=True, seed=0)

@@ -4,7 +4,6 @@ really releases the storage (torchrun, gloo; the same code moves GPU state to pi
 from __future__ import annotations
 
 import pytest
-
 from helpers import read_results, torchrun
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_alp.config import ConfigError, config_from_dict
+from megatron_alp.config import ConfigError
+from megatron_alp.resolve import config_from_dict
 from megatron_alp.rewards.overlong import overlong_penalty
 
 

@@ -1,4 +1,4 @@
-"""Process-group lifecycle (megatron_alp/parallel.py)."""
+"""Process-group lifecycle (megatron_alp/runtime/parallel.py)."""
 
 import subprocess
 import sys
@@ -10,7 +10,7 @@ SCRIPT = """
 import sys
 from megatron_alp.config import ParallelConfig, RolloutConfig, SamplingConfig
 from megatron_alp.models.tiny import make_tiny_model
-from megatron_alp.parallel import init_distributed
+from megatron_alp.runtime.parallel import init_distributed
 from megatron_alp.rollout import SamplingParams, build_engine
 
 init_distributed(ParallelConfig())

@@ -116,12 +116,12 @@ def _setup():
     global torch, alp, par, build, tokens, tensor_parallel
     sys.path.insert(0, str(ROOT / "tests" / "dist"))
     import torch
+    from common import build, tokens
     from megatron.core import tensor_parallel
 
-    import megatron_alp.perturbation as alp
-    from common import build, tokens
+    import megatron_alp.training.perturbation as alp
     from megatron_alp.config import ParallelConfig
-    from megatron_alp.parallel import init_distributed
+    from megatron_alp.runtime.parallel import init_distributed
 
     par = ParallelConfig()
     init_distributed(par)
@@ -238,7 +238,7 @@ def check_noise_statistics():
 
 
 def _site_check(dtype_name: str, shape: str):
-    from megatron_alp.perturbation import PerturbationController, PerturbationSite
+    from megatron_alp.training.perturbation import PerturbationController, PerturbationSite
 
     dtype = getattr(torch, dtype_name)
     h = 64

@@ -146,7 +146,7 @@ def test_an_engine_started_on_its_cores_inherits_them_and_this_process_keeps_its
 
 
 def test_async_settings_that_cannot_work_are_refused_naming_the_keys():
-    from megatron_alp.config import load_config
+    from megatron_alp.resolve import load_config
 
     quick = os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart_cpu.yaml")
     cases = {

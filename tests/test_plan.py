@@ -13,8 +13,9 @@ import pytest
 from test_configs import MODELS
 
 from megatron_alp.cli import main
-from megatron_alp.config import ConfigError, config_from_dict, load_config
-from megatron_alp.plan import PUBLISHED, check_fits, default_gpus, memory_plan
+from megatron_alp.config import ConfigError
+from megatron_alp.resolve import config_from_dict, load_config
+from megatron_alp.trainer.memory_plan import PUBLISHED, check_fits, default_gpus, memory_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.yaml") if not p.name.startswith("quickstart"))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from megatron_alp.cli import main as cli_main
-from megatron_alp.plot import Run, draw_curve, make_plots, pearson_r
+from megatron_alp.diagnostics.figures import Run, draw_curve, make_plots, pearson_r
 
 LAYERS = 4
 

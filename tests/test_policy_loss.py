@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import read_results, torchrun
 from pydantic import ValidationError
 
-from helpers import read_results, torchrun
-from megatron_alp.config import ConfigError, LossConfig, config_from_dict, load_config
-from megatron_alp.policy_loss import (
+from megatron_alp.algorithms.policy_loss import (
     POLICY_LOSSES,
     LossInputs,
     Ratio,
@@ -23,6 +22,8 @@ from megatron_alp.policy_loss import (
     register_policy_loss,
     token_log_ratio,
 )
+from megatron_alp.config import ConfigError, LossConfig
+from megatron_alp.resolve import config_from_dict, load_config
 
 # The paper's objectives (section 2 and the appendix table of importance ratios), written out here.
 LOSS_NAMES = ("alp_token", "alp_seq", "grpo", "gspo", "token_mis", "seq_mis", "token_tis", "seq_bypass")
@@ -257,7 +258,7 @@ def test_all_masked_batch_is_zero_without_nan(name, aggregation):
 
 @pytest.mark.parametrize("name", LOSS_NAMES)
 def test_identical_rewards_give_zero_policy_gradient(name):
-    from megatron_alp.advantages import group_advantages
+    from megatron_alp.algorithms.advantages import group_advantages
 
     d = make_batch(4, 6, seed=9)
     d["adv"] = group_advantages(torch.full((4,), 0.7), group_size=4).double()
@@ -358,7 +359,7 @@ def test_missing_inputs_are_named():
 def test_registry_accepts_new_losses():
     """A new loss is one registered function: selectable as loss.name, its declared properties used
     by config validation and listed in the generated docs, with no edit anywhere else."""
-    from megatron_alp.config_docs import config_docs
+    from megatron_alp.commands.config_docs import config_docs
 
     @register_policy_loss("test_half_alp", paper="Half-ALP", level="token", perturbed=True,
                           ratio="(pi_theta,sigma / pi_rollout)^0.5", clip=(0.1, 0.1))

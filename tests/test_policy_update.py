@@ -10,7 +10,6 @@ response and lower every negative one's.
 from __future__ import annotations
 
 import pytest
-
 from helpers import read_results, torchrun
 
 LOSSES = ("alp_token", "alp_seq", "grpo", "gspo", "token_mis", "seq_mis", "token_tis", "seq_bypass")

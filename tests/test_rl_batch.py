@@ -6,12 +6,12 @@ import random
 import pytest
 import torch
 
-from megatron_alp.advantages import group_advantages
-from megatron_alp.balance import imbalance
+from megatron_alp.algorithms.advantages import group_advantages
+from megatron_alp.algorithms.balance import imbalance
+from megatron_alp.algorithms.policy_loss import LossInputs, loss_counts, policy_loss
 from megatron_alp.config import LossConfig
-from megatron_alp.policy_loss import LossInputs, loss_counts, policy_loss
-from megatron_alp.rl_batch import build_rl_batch, dp_assignment, dp_shard, exclude_from_loss, mini_batches
-from megatron_alp.rollout.base import Trajectory
+from megatron_alp.data.trajectory import Trajectory
+from megatron_alp.training.rl_batch import build_rl_batch, dp_assignment, dp_shard, exclude_from_loss, mini_batches
 
 
 def _traj(prompt, response, mask=None, lp=None):

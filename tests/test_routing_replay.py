@@ -12,18 +12,19 @@ import math
 
 import pytest
 import torch
-
 from helpers import read_results, torchrun
-from megatron_alp.config import ModelConfig, ParallelConfig, config_from_dict
-from megatron_alp.micro_batch import Batching
-from megatron_alp.models.builder import build_gpt_model
+
+from megatron_alp.config import ModelConfig, ParallelConfig
 from megatron_alp.models.families import hf_to_megatron
 from megatron_alp.models.routing import no_expert
 from megatron_alp.models.tiny import tiny_hf_config
-from megatron_alp.parallel import init_distributed
-from megatron_alp.policy_update import compute_logprobs
-from megatron_alp.rl_batch import RLBatch
-from megatron_alp.routing_replay import PassRouting, RoutingPlan, routing_metrics
+from megatron_alp.resolve import config_from_dict
+from megatron_alp.runtime.parallel import init_distributed
+from megatron_alp.training.builder import build_gpt_model
+from megatron_alp.training.micro_batch import Batching
+from megatron_alp.training.policy_update import compute_logprobs
+from megatron_alp.training.rl_batch import RLBatch
+from megatron_alp.training.routing_replay import PassRouting, RoutingPlan, routing_metrics
 
 LAYOUTS = ("ep2", "tp2", "pp2")
 
@@ -235,11 +236,11 @@ def test_r3_end_to_end_with_vllm(tmp_path):
     replaying the engine's routing brings the trainer's logprobs no further from the engine's than
     its own routing does."""
     from megatron_alp.config import RolloutConfig, SamplingConfig
+    from megatron_alp.data.trajectory import Trajectory
     from megatron_alp.models.hf_weights import load_hf_weights
     from megatron_alp.models.tiny import make_tiny_model
-    from megatron_alp.rl_batch import build_rl_batch
     from megatron_alp.rollout import SamplingParams, build_engine
-    from megatron_alp.rollout.base import Trajectory
+    from megatron_alp.training.rl_batch import build_rl_batch
 
     init_distributed(ParallelConfig(), seed=3)  # first, as the trainer: an in-process engine adopts the group
     hf = dict(num_experts=8, num_experts_per_tok=2)

@@ -398,7 +398,7 @@ def test_network_is_refused(ex):
 
 
 def test_writes_outside_the_sandbox_change_nothing(ex, trainer_dir):
-    repo_files = [ROOT / "pyproject.toml", ROOT / "megatron_alp" / "config.py"]
+    repo_files = [ROOT / "pyproject.toml", ROOT / "megatron_alp" / "config" / "schema.py"]
     before = snapshot(trainer_dir)
     repo_before = {p: p.stat().st_mtime_ns for p in repo_files}
     ckpt, cfg_file = trainer_dir / "checkpoints" / "model.pt", trainer_dir / "config.yaml"

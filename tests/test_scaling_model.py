@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_alp.config import load_config
+from megatron_alp.resolve import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("scaling_model", ROOT / "benchmarks" / "scaling_model.py")

@@ -11,11 +11,17 @@ import time
 import pytest
 import torch
 
-from megatron_alp.config import ConfigError, RolloutConfig, SamplingConfig, config_from_dict
+from megatron_alp.config import ConfigError, RolloutConfig, SamplingConfig
 from megatron_alp.models.tiny import make_tiny_model
+from megatron_alp.resolve import config_from_dict
 from megatron_alp.rollout import RolloutError, SamplingParams, build_engine
-from megatron_alp.rollout.sglang_engine import (check_sglang_installed, check_sglang_sampling, decode_routed_experts,
-                                                server_command)
+from megatron_alp.rollout.sglang_engine import (
+    SGLangEngine,
+    check_sglang_installed,
+    check_sglang_sampling,
+    decode_routed_experts,
+    server_command,
+)
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 
@@ -104,7 +110,7 @@ def test_the_server_runs_under_the_configured_interpreter(monkeypatch, tmp_path)
 def test_sglang_with_fp8_is_refused_at_config_validation(quantization):
     with pytest.raises(ValueError, match=rf"rollout.engine=sglang with rollout.quantization={quantization}.*"
                                          r"no weight loader.*rollout.engine=vllm"):
-        sglang_cfg(quantization=quantization)
+        SGLangEngine.check_config(sglang_cfg(quantization=quantization))
     with pytest.raises(ConfigError, match="rollout.engine=sglang"):
         config_from_dict({"model": {"tiny": "qwen2"}, "rollout": {"engine": "sglang", "quantization": quantization}})
     with pytest.raises(ConfigError, match="unknown rollout engine 'sglng'"):
@@ -116,8 +122,8 @@ def test_sglang_with_fp8_is_refused_at_config_validation(quantization):
 def test_sglang_takes_weights_only_from_a_folder(method):
     with pytest.raises(ValueError, match=rf"rollout.sync_method={method} is not available with "
                                          r"rollout.engine=sglang \(it supports: folder\)"):
-        sglang_cfg(sync_method=method)
-    assert sglang_cfg(sync_method="folder").sync_method == "folder"
+        SGLangEngine.check_config(sglang_cfg(sync_method=method))
+    SGLangEngine.check_config(sglang_cfg(sync_method="folder"))
 
 # ------------------------------------------------------------------------------ GPU machine
 

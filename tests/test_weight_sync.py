@@ -11,19 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import read_results, torchrun
 from safetensors.torch import load_file
 
-from helpers import read_results, torchrun
+from megatron_alp.algorithms.mismatch import format_mismatch, mismatch_stats
 from megatron_alp.models.hf_weights import INDEX_FILE
 from megatron_alp.models.tiny import make_tiny_model
-from megatron_alp.rollout.weight_sync import (
-    BucketWriter,
-    WeightStream,
-    format_mismatch,
-    layer_buckets,
-    mismatch_stats,
-    write_hf_checkpoint,
-)
+from megatron_alp.rollout.weight_sync import BucketWriter, WeightStream, layer_buckets, write_hf_checkpoint
 
 
 def _weights(n=6, size=1000):

@@ -1,10 +1,13 @@
-"""Model families: how a Hugging Face config becomes a Megatron-Core ``TransformerConfig``.
+"""Model families: the registry of supported architectures, and how a Hugging Face config
+becomes Megatron-Core ``TransformerConfig`` arguments.
 
-One registry entry per architecture family (Qwen2/Qwen2.5, Qwen3, Llama, Qwen3-MoE). The
-entry states what the HF config leaves implicit (Qwen2 always has q/k/v biases, Qwen3 always
-normalises q and k per head); :func:`hf_to_megatron` reads the rest from the config and refuses
-what Megatron-Core would silently compute differently (an unsupported RoPE scaling, activation,
-or sliding window).
+A family is one registered :class:`ModelFamily` that declares everything the project needs to
+know about it: which HF architectures it covers, what the HF config leaves implicit (Qwen2 always
+has q/k/v biases, Qwen3 always normalises q and k per head), whether it is a mixture of experts,
+its weight-mapping rule table (:mod:`~megatron_alp.models.weight_rules`) and the config of its tiny
+test model (``model.tiny``, ``megatron-alp smoke --family``). :func:`hf_to_megatron` reads the rest
+from the config and refuses what Megatron-Core would silently compute differently (an unsupported
+RoPE scaling, activation, or sliding window). Adding a family is one :func:`register_family` call.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from megatron_alp.models.weight_rules import DENSE, MOE, RuleTable
+
 
 @dataclass(frozen=True)
 class ModelFamily:
@@ -26,20 +31,49 @@ class ModelFamily:
     model_types: tuple[str, ...]
     qkv_bias: Optional[bool]  # None: read `attention_bias` from the config
     qk_layernorm: bool
+    rules: RuleTable  # HF <-> Megatron weight names and layouts
+    tiny: dict  # HF config of the family's tiny test model (random weights, local tokenizer)
     moe: bool = False
 
 
-FAMILIES: dict[str, ModelFamily] = {
-    f.name: f
-    for f in (
-        ModelFamily("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), qkv_bias=True, qk_layernorm=False),
-        ModelFamily("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), qkv_bias=None, qk_layernorm=True),
-        ModelFamily("llama", ("LlamaForCausalLM",), ("llama",), qkv_bias=None, qk_layernorm=False),
-        ModelFamily(
-            "qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), qkv_bias=None, qk_layernorm=True, moe=True
-        ),
-    )
-}
+FAMILIES: dict[str, ModelFamily] = {}
+
+# Hugging Face configs of published models (config.json only), bundled so that `megatron-alp plan`
+# can size a config whose model.hf_path is not on this machine.
+PUBLISHED = Path(__file__).parent / "published"
+
+
+def register_family(family: ModelFamily) -> ModelFamily:
+    """Add ``family`` to the registry under its name (``model.tiny``, ``smoke --family``)."""
+    if family.name in FAMILIES:
+        raise ValueError(f"model family {family.name!r} is already registered")
+    FAMILIES[family.name] = family
+    return family
+
+
+# The tiny models' shared dimensions. vLLM's CPU attention needs head_dim >= 32: hidden 128 over 4 heads.
+TINY_VOCAB = 512
+_TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=TINY_VOCAB, max_position_embeddings=1024, rms_norm_eps=1e-6,
+             hidden_act="silu", initializer_range=0.02, bos_token_id=0, eos_token_id=2, pad_token_id=0)
+
+register_family(ModelFamily(
+    "qwen2", ("Qwen2ForCausalLM",), ("qwen2",), qkv_bias=True, qk_layernorm=False, rules=DENSE,
+    tiny=dict(_TINY, model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True,
+              rope_theta=10000.0)))
+register_family(ModelFamily(
+    "qwen3", ("Qwen3ForCausalLM",), ("qwen3",), qkv_bias=None, qk_layernorm=True, rules=DENSE,
+    tiny=dict(_TINY, model_type="qwen3", architectures=["Qwen3ForCausalLM"], tie_word_embeddings=True,
+              head_dim=64, rope_theta=1000000.0, attention_bias=False)))
+register_family(ModelFamily(
+    "llama", ("LlamaForCausalLM",), ("llama",), qkv_bias=None, qk_layernorm=False, rules=DENSE,
+    tiny=dict(_TINY, model_type="llama", architectures=["LlamaForCausalLM"], tie_word_embeddings=False,
+              rope_theta=500000.0, attention_bias=False, mlp_bias=False)))
+register_family(ModelFamily(
+    "qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), qkv_bias=None, qk_layernorm=True, rules=MOE, moe=True,
+    tiny=dict(_TINY, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], tie_word_embeddings=False,
+              head_dim=32, rope_theta=1000000.0, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+              norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0)))
 
 
 def family_of(hf: dict) -> ModelFamily:

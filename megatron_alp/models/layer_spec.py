@@ -20,7 +20,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from megatron_alp.models.norm import RMSNorm
-from megatron_alp.platform import has_gpu
+from megatron_alp.runtime.platform import has_gpu
 
 
 def te_import_error() -> str | None:

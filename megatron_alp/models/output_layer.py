@@ -1,7 +1,7 @@
 """Megatron's output layer, able to hand back the final hidden states instead of the logits.
 
 The policy update needs only the sampled token's logprob and the entropy per position, which
-:func:`~megatron_alp.logprobs.linear_token_logprobs` computes from the hidden states and the
+:func:`~megatron_alp.training.logprobs.linear_token_logprobs` computes from the hidden states and the
 output weight chunk by chunk, without the ``[tokens, vocab/TP]`` logits (about 4.9 GB per 16K-token
 sequence per TP rank in bf16) or their gradient. :func:`emitting_hidden` switches a model's output
 layer to return its input, prepared as the layer itself would prepare it for its GEMM: gathered
@@ -71,7 +71,7 @@ def output_weight(model) -> torch.Tensor:
 @contextlib.contextmanager
 def emitting_hidden(model, enabled: bool = True) -> Iterator[bool]:
     """Inside: the model returns final hidden states ``[b, s, h]`` instead of logits, if its output
-    layer can (last pipeline stage built by :func:`~megatron_alp.models.builder.build_gpt_model`).
+    layer can (last pipeline stage built by :func:`~megatron_alp.training.builder.build_gpt_model`).
     Yields whether it does."""
     layer = getattr(unwrap_model(model), "output_layer", None)
     on = enabled and isinstance(layer, HiddenOutputLayer)

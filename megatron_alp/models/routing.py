@@ -44,7 +44,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.utils import unwrap_model
 
-from megatron_alp.comm import comm_device
+from megatron_alp.runtime.comm import comm_device
 
 
 def routing_dtype(num_experts: int) -> torch.dtype:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_alp.models.families import FAMILIES, TINY_VOCAB
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 CHAT_TEMPLATE = (
@@ -22,38 +24,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-
-TINY_VOCAB = 512
-
-# vLLM's CPU attention needs head_dim >= 32: hidden 128 over 4 heads.
-_BASE = dict(
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=TINY_VOCAB,
-    max_position_embeddings=1024,
-    rms_norm_eps=1e-6,
-    hidden_act="silu",
-    initializer_range=0.02,
-    bos_token_id=0,
-    eos_token_id=2,
-    pad_token_id=0,
-)
-
-TINY_CONFIGS: dict[str, dict] = {
-    "qwen2": dict(_BASE, model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True,
-                  rope_theta=10000.0),
-    "qwen3": dict(_BASE, model_type="qwen3", architectures=["Qwen3ForCausalLM"], tie_word_embeddings=True,
-                  head_dim=64, rope_theta=1000000.0, attention_bias=False),
-    "llama": dict(_BASE, model_type="llama", architectures=["LlamaForCausalLM"], tie_word_embeddings=False,
-                  rope_theta=500000.0, attention_bias=False, mlp_bias=False),
-    "qwen3_moe": dict(_BASE, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
-                      tie_word_embeddings=False, head_dim=32, rope_theta=1000000.0, num_experts=4,
-                      num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
-                      decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0),
-}
 
 
 def _corpus() -> list[str]:
@@ -120,9 +90,10 @@ def save_tokenizer(out_dir: str | Path, vocab_size: int = TINY_VOCAB) -> Path:
 
 
 def tiny_hf_config(family: str, **overrides) -> dict:
-    if family not in TINY_CONFIGS:
-        raise ValueError(f"unknown tiny model family {family!r}: choose one of {sorted(TINY_CONFIGS)}")
-    return {**TINY_CONFIGS[family], **overrides}
+    """The registered ``family``'s tiny HF config (:attr:`ModelFamily.tiny`) with ``overrides``."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown tiny model family {family!r}: choose one of {sorted(FAMILIES)}")
+    return {**FAMILIES[family].tiny, **overrides}
 
 
 def make_tiny_model(
@@ -148,15 +119,3 @@ def make_tiny_model(
     gen = {"bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 0}
     (out / "generation_config.json").write_text(json.dumps(gen))
     return out
-
-
-def add_arguments(parser) -> None:
-    parser.add_argument("family", choices=sorted(TINY_CONFIGS))
-    parser.add_argument("out_dir")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-
-
-def run(args) -> int:
-    print(make_tiny_model(args.family, args.out_dir, seed=args.seed, dtype=args.dtype))
-    return 0

@@ -1,22 +1,9 @@
-"""Hugging Face <-> Megatron-Core parameter names and layouts: one declarative table per family.
+"""Hugging Face <-> Megatron-Core parameter names and layouts of one model, by its family's rule
+table (:mod:`~megatron_alp.models.weight_rules`).
 
 Every consumer of weights -- loading an HF checkpoint into a Megatron model, the offline
-converters, and the online weight export to the rollout engine -- goes through this table, so a
-weight is placed by exactly one rule. A :class:`Rule` names one Megatron parameter (local-spec
-name, global layer ``{layer}`` / expert ``{expert}`` indices; the Transformer-Engine spec name
-when it differs) and the HF tensor(s) it is made of, plus the transform between the two layouts:
-
-- ``copy``: same tensor.
-- ``qkv``: HF keeps q, k and v apart; Megatron fuses them grouped per query group,
-  ``[q heads of group g, k_g, v_g]`` for each group g, so that TP shards are whole groups.
-- ``gate_up``: Megatron's gated ``linear_fc1`` is ``[gate; up]`` along the output dimension.
-
-``tp_dim`` states how Megatron splits the parameter over tensor parallelism (column-parallel and
-vocab-parallel: dim 0; row-parallel: dim 1; absent: replicated), so loading and export do not
-depend on attributes Megatron sets only while randomly initialising weights.
-
-Tied embeddings have no ``lm_head`` rule (the HF file has no such tensor); ALP sigmas
-(``alp_perturbation``) are Megatron-only state and never map to HF.
+converters, and the online weight export to the rollout engine -- goes through this mapping, so a
+weight is placed by exactly one rule.
 """
 
 from __future__ import annotations
@@ -28,81 +15,7 @@ from typing import Iterator, Optional
 import torch
 
 from megatron_alp.models.families import MegatronModelArgs, hf_to_megatron
-
-SIGMA_MARKER = "alp_perturbation"
-
-
-@dataclass(frozen=True)
-class Rule:
-    mcore: str
-    hf: tuple[str, ...]
-    transform: str = "copy"
-    tp_dim: Optional[int] = None  # dimension split over tensor parallelism (None: replicated)
-    te: Optional[str] = None
-    when: Optional[str] = None  # a flag of the model (see WeightMapping.flags) the rule needs
-
-    @property
-    def is_expert(self) -> bool:
-        """Expert weights are split over the expert tensor-parallel group, not the TP group."""
-        return "{expert}" in self.mcore
-
-
-COL, ROW = 0, 1  # column-parallel (output dim split, incl. vocab-parallel) / row-parallel
-
-
-def _r(mcore: str, hf, transform: str = "copy", tp_dim: int | None = None, te: str | None = None,
-       when: str | None = None) -> Rule:
-    return Rule(mcore, (hf,) if isinstance(hf, str) else tuple(hf), transform, tp_dim, te, when)
-
-
-L, HL = "decoder.layers.{layer}.", "model.layers.{layer}."
-
-_EMBEDDING = (_r("embedding.word_embeddings.weight", "model.embed_tokens.weight", tp_dim=COL),)
-_HEAD = (
-    _r("decoder.final_layernorm.weight", "model.norm.weight"),
-    _r("output_layer.weight", "lm_head.weight", tp_dim=COL, when="untied"),
-)
-_ATTENTION = (
-    _r(L + "input_layernorm.weight", HL + "input_layernorm.weight",
-       te=L + "self_attention.linear_qkv.layer_norm_weight"),
-    _r(L + "self_attention.linear_qkv.weight",
-       [HL + f"self_attn.{p}_proj.weight" for p in "qkv"], "qkv", COL),
-    _r(L + "self_attention.linear_qkv.bias",
-       [HL + f"self_attn.{p}_proj.bias" for p in "qkv"], "qkv", COL, when="qkv_bias"),
-    _r(L + "self_attention.q_layernorm.weight", HL + "self_attn.q_norm.weight", when="qk_norm"),
-    _r(L + "self_attention.k_layernorm.weight", HL + "self_attn.k_norm.weight", when="qk_norm"),
-    _r(L + "self_attention.linear_proj.weight", HL + "self_attn.o_proj.weight", tp_dim=ROW),
-    _r(L + "self_attention.linear_proj.bias", HL + "self_attn.o_proj.bias", when="linear_bias"),
-)
-_DENSE_MLP = (
-    _r(L + "pre_mlp_layernorm.weight", HL + "post_attention_layernorm.weight",
-       te=L + "mlp.linear_fc1.layer_norm_weight"),
-    _r(L + "mlp.linear_fc1.weight", [HL + "mlp.gate_proj.weight", HL + "mlp.up_proj.weight"], "gate_up", COL),
-    _r(L + "mlp.linear_fc1.bias", [HL + "mlp.gate_proj.bias", HL + "mlp.up_proj.bias"], "gate_up", COL,
-       when="linear_bias"),
-    _r(L + "mlp.linear_fc2.weight", HL + "mlp.down_proj.weight", tp_dim=ROW),
-    _r(L + "mlp.linear_fc2.bias", HL + "mlp.down_proj.bias", when="linear_bias"),
-)
-_EXPERT, _HEXPERT = L + "mlp.experts.local_experts.{expert}.", HL + "mlp.experts.{expert}."
-_MOE_MLP = (
-    # The TE spec keeps a separate pre-MLP norm for MoE layers (the router reads its output).
-    _r(L + "pre_mlp_layernorm.weight", HL + "post_attention_layernorm.weight"),
-    _r(L + "mlp.router.weight", HL + "mlp.gate.weight"),
-    _r(_EXPERT + "linear_fc1.weight", [_HEXPERT + "gate_proj.weight", _HEXPERT + "up_proj.weight"], "gate_up", COL,
-       te=L + "mlp.experts.linear_fc1.weight{expert}"),
-    _r(_EXPERT + "linear_fc2.weight", _HEXPERT + "down_proj.weight", tp_dim=ROW,
-       te=L + "mlp.experts.linear_fc2.weight{expert}"),
-)
-
-# (rules applied once before the layers, rules applied per layer, rules after the layers)
-RuleTable = tuple[tuple[Rule, ...], tuple[Rule, ...], tuple[Rule, ...]]
-DENSE: RuleTable = (_EMBEDDING, _ATTENTION + _DENSE_MLP, _HEAD)
-MOE: RuleTable = (_EMBEDDING, _ATTENTION + _MOE_MLP, _HEAD)
-
-# family name (see families.FAMILIES) -> its table. Families whose HF files are laid out alike share
-# a table (differences such as q/k/v biases or qk-norm come from the config flags); a family with
-# other HF names gets a table of its own.
-FAMILY_RULES: dict[str, RuleTable] = {"qwen2": DENSE, "qwen3": DENSE, "llama": DENSE, "qwen3_moe": MOE}
+from megatron_alp.models.weight_rules import DENSE, MOE, SIGMA_MARKER, Rule, RuleTable
 
 # HF tensors some checkpoints carry that hold no weights (recomputed buffers).
 IGNORED_HF = (re.compile(r".*\.rotary_emb\.inv_freq$"),)
@@ -158,11 +71,9 @@ class WeightMapping:
     @classmethod
     def from_args(cls, args: MegatronModelArgs) -> "WeightMapping":
         """The mapping of a model described by an HF config (see :func:`families.hf_to_megatron`)."""
-        if args.family.name not in FAMILY_RULES:
-            raise ValueError(f"no weight mapping for model family {args.family.name!r}")
         t = args.transformer
         return cls(
-            FAMILY_RULES[args.family.name], num_layers=t["num_layers"], num_experts=t.get("num_moe_experts") or 0,
+            args.family.rules, num_layers=t["num_layers"], num_experts=t.get("num_moe_experts") or 0,
             heads=t["num_attention_heads"], groups=t["num_query_groups"], head_dim=t["kv_channels"],
             tied=args.tie_word_embeddings, qkv_bias=t["add_qkv_bias"], linear_bias=t["add_bias_linear"],
             qk_norm=t["qk_layernorm"], family=args.family.name,

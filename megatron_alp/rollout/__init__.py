@@ -4,7 +4,7 @@ Importing this package registers both engines; neither vLLM nor SGLang is import
 engine is built.
 """
 
-from megatron_alp.rollout import sglang_engine, vllm_engine  # noqa: F401  (register the engines)
+from megatron_alp.rollout import sglang_engine, vllm  # noqa: F401  (register the engines)
 from megatron_alp.rollout.base import (
     ENGINES,
     Completion,
@@ -12,10 +12,8 @@ from megatron_alp.rollout.base import (
     RolloutEngine,
     RolloutError,
     SamplingParams,
-    Trajectory,
 )
 from megatron_alp.rollout.distributed import DistributedRollout, build_engine
-from megatron_alp.rollout.weight_sync import format_mismatch, mismatch_stats
 
 __all__ = [
     "ENGINES",
@@ -25,8 +23,5 @@ __all__ = [
     "RolloutEngine",
     "RolloutError",
     "SamplingParams",
-    "Trajectory",
     "build_engine",
-    "format_mismatch",
-    "mismatch_stats",
 ]

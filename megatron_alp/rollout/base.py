@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, ClassVar, Iterable, Optional, Protocol
 
 import numpy as np
 import torch
 
 from megatron_alp.config import RolloutConfig
+from megatron_alp.data.trajectory import check_routing
 
 
 @dataclass(frozen=True)
@@ -56,53 +57,6 @@ class Completion:
         check_routing(self.routed_experts, len(self.prompt_ids) + len(self.response_ids))
 
 
-@dataclass
-class Trajectory:
-    """What the trainer learns from: one response (single- or multi-turn) to one prompt.
-
-    ``response_ids`` holds every token after the prompt (model tokens and, in multi-turn
-    episodes, tool outputs); ``loss_mask`` is 1 on the tokens the policy is trained on and 0 on
-    tool outputs and void turns; ``rollout_logprobs`` is aligned with ``response_ids`` (0.0 where
-    the mask is 0). ``routed_experts`` (MoE, when the engine returns routing) holds the experts the
-    engine sent token ``t`` of prompt + response to at each layer, ``[tokens, layers, k]``, for the
-    tokens it fed through the model (all but the last, or fewer)."""
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    rollout_logprobs: list[float]
-    loss_mask: list[int]
-    response_text: str
-    finish_reason: str
-    num_turns: int = 1
-    info: dict = field(default_factory=dict)
-    routed_experts: Optional[np.ndarray] = None
-    # The weight version (trainer iterations) that generated it; with partial rollouts the oldest of
-    # its spans (info["version_spans"]). Set by the trainer's rollout layer.
-    policy_version: Optional[int] = None
-
-    def __post_init__(self):
-        n = len(self.response_ids)
-        if len(self.rollout_logprobs) != n or len(self.loss_mask) != n:
-            raise ValueError(
-                f"trajectory misaligned: {n} response tokens, {len(self.rollout_logprobs)} logprobs, "
-                f"{len(self.loss_mask)} mask entries"
-            )
-        check_routing(self.routed_experts, len(self.prompt_ids) + n)
-
-    @classmethod
-    def from_completion(cls, c: "Completion") -> "Trajectory":
-        return cls(
-            prompt_ids=list(c.prompt_ids),
-            response_ids=list(c.response_ids),
-            rollout_logprobs=list(c.logprobs),
-            loss_mask=[1] * len(c.response_ids),
-            response_text=c.text,
-            finish_reason=c.finish_reason,
-            info={"version_spans": list(c.version_spans)} if c.version_spans else {},
-            routed_experts=c.routed_experts,
-        )
-
-
 class Interruption(Protocol):
     """What a partial-rollout engine asks between decoding steps (``rollout.partial_rollout``;
     :class:`~megatron_alp.rollout.producer.RolloutProducer` implements it)."""
@@ -114,17 +68,6 @@ class Interruption(Protocol):
 
     def pause(self) -> int:
         """Block while the weights change; returns the new version."""
-
-
-def check_routing(routed: Optional[np.ndarray], tokens: int) -> None:
-    """Engine routing must be ``[t, layers, k]`` integers for at most the sequence's ``tokens``."""
-    if routed is None:
-        return
-    if routed.ndim != 3 or routed.dtype.kind not in "iu":
-        raise ValueError(f"routed experts: expected an integer array [tokens, layers, k], got "
-                         f"{routed.dtype} {tuple(routed.shape)}")
-    if len(routed) > tokens:
-        raise ValueError(f"routed experts cover {len(routed)} tokens of a {tokens}-token sequence")
 
 
 class RolloutError(RuntimeError):

@@ -23,7 +23,10 @@ import os
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
+import torch
+
 from megatron_alp.config import ConfigError, RolloutConfig
+from megatron_alp.runtime.platform import has_gpu
 
 
 @dataclass(frozen=True)
@@ -60,13 +63,7 @@ def replica_layout(cfg: RolloutConfig, world: int, data_parallel: int, gpu: bool
     local_world = local_world or world
     if cfg.placement == "separate" and gpu:
         return _separate_gpu_layout(cfg, world, local_world)
-    if cfg.replicas == "auto":
-        if cfg.placement == "separate":  # CPU: one replica per machine on its engine cores
-            replicas = max(1, world // local_world)
-        else:
-            replicas = max(1, world // tp) if gpu else max(1, data_parallel)
-    else:
-        replicas = cfg.replicas
+    replicas = auto_replicas(cfg, world, data_parallel, gpu, local_world) if cfg.replicas == "auto" else cfg.replicas
     if world % replicas:
         raise ConfigError(f"rollout.replicas={replicas} must divide the job's {world} ranks (each replica is "
                           f"started by one rank and colocated with the ranks after it)")
@@ -75,6 +72,15 @@ def replica_layout(cfg: RolloutConfig, world: int, data_parallel: int, gpu: bool
         raise ConfigError(f"rollout.replicas={replicas} on {world} GPUs leaves {stride} GPU(s) per replica, "
                           f"fewer than rollout.tensor_parallel_size={tp}")
     return ReplicaLayout(replicas=replicas, stride=stride)
+
+
+def auto_replicas(cfg: RolloutConfig, world: int, data_parallel: int, gpu: bool, local_world: int) -> int:
+    """``rollout.replicas: auto`` for colocated engines and CPU jobs: every ``tensor_parallel_size``
+    GPUs generate (one replica per data-parallel rank on the CPU; with separate placement on the
+    CPU, one per machine on its engine cores)."""
+    if cfg.placement == "separate":
+        return max(1, world // local_world)
+    return max(1, world // cfg.tensor_parallel_size) if gpu else max(1, data_parallel)
 
 
 def _separate_gpu_layout(cfg: RolloutConfig, world: int, local_world: int) -> ReplicaLayout:
@@ -159,6 +165,15 @@ def trainer_cores(cfg: RolloutConfig) -> Optional[list[int]]:
     engines = set(engine_core_pool(cfg) or ())
     mine = [c for c in sorted(os.sched_getaffinity(0)) if c not in engines]
     return mine or None
+
+
+def pin_trainer_cores(cfg: RolloutConfig) -> None:
+    """On the CPU with separate placement, keep this trainer rank (and its torch threads) off the
+    engines' cores (:func:`trainer_cores`); elsewhere nothing changes."""
+    keep = None if has_gpu() else trainer_cores(cfg)
+    if keep:
+        os.sched_setaffinity(0, keep)
+        torch.set_num_threads(min(torch.get_num_threads(), len(keep)))
 
 
 def placement_vars(placement: Optional[Placement]) -> dict[str, str]:

@@ -50,22 +50,22 @@ import torch
 
 from megatron_alp.config import RolloutConfig
 from megatron_alp.models.families import load_hf_config, num_experts
-from megatron_alp.platform import has_gpu
 from megatron_alp.rollout.base import (
     Completion,
     RolloutEngine,
     RolloutError,
     SamplingParams,
+    attempt_timeout,
     check_prompts,
     check_sampling,
     collect_samples,
     register_engine,
-    attempt_timeout,
     resolve_max_model_len,
 )
 from megatron_alp.rollout.placement import Placement, placement_vars
 from megatron_alp.rollout.quantization import check_model_not_prequantized, sglang_quantization_args
 from megatron_alp.rollout.weight_sync import WeightStream, default_sync_root, is_finite, write_hf_checkpoint
+from megatron_alp.runtime.platform import has_gpu
 
 
 def check_sglang_sampling(params: SamplingParams) -> None:

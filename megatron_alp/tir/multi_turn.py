@@ -37,16 +37,15 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
+from megatron_alp.config import TIRConfig
+from megatron_alp.data.trajectory import Trajectory
 from megatron_alp.rewards.math_verify import extract_boxed
-from megatron_alp.rollout.base import Completion, SamplingParams, Trajectory
-from megatron_alp.seeding import derive_seed
-
-if TYPE_CHECKING:
-    from megatron_alp.config import TIRConfig
+from megatron_alp.rollout.base import Completion, SamplingParams
+from megatron_alp.runtime.seeding import derive_seed
 
 CODE_STOP = "```\n"
 
@@ -341,19 +340,3 @@ def _to_trajectory(e: _Episode, tokenizer) -> Trajectory:
         },
         routed_experts=e.routed_experts,
     )
-
-
-def sample_trajectories(rollout, prompt_ids: list[list[int]], params, tir, tokenizer=None, executor=None,
-                        broadcast=None) -> list:
-    """``params.n`` trajectories per prompt, grouped by prompt: single-turn completions, or with
-    ``tir.enabled`` multi-turn episodes (:func:`run_episodes`, which takes ``tokenizer``,
-    ``executor`` and ``broadcast``). The one sampling path of training
-    rollouts, validation and ``megatron-alp eval``; ``rollout`` is an engine or the trainer's
-    collective :class:`~megatron_alp.rollout.DistributedRollout`."""
-    if tir.enabled:
-        return run_episodes(rollout, prompt_ids, tokenizer, params, tir, executor, broadcast=broadcast)
-    groups = rollout.generate(prompt_ids, params)
-    if len(groups) != len(prompt_ids) or any(len(g) != params.n for g in groups):
-        raise RuntimeError(f"engine returned {[len(g) for g in groups]} completions for "
-                           f"{len(prompt_ids)} prompts x n={params.n}")
-    return [Trajectory.from_completion(c) for g in groups for c in g]

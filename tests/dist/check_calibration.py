@@ -22,12 +22,12 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from common import build, full_state, load_full_state, reinit
-from megatron_alp.calibration import calibrate_sigma
+from megatron_alp.training.calibration import calibrate_sigma
 from megatron_alp.config import PerturbationConfig
-from megatron_alp.micro_batch import Batching
-from megatron_alp.perturbation import sigma_stats
-from megatron_alp.policy_update import compute_logprobs
-from megatron_alp.rl_batch import RLBatch, dp_assignment, dp_shard
+from megatron_alp.training.micro_batch import Batching
+from megatron_alp.training.perturbation import sigma_stats
+from megatron_alp.training.policy_update import compute_logprobs
+from megatron_alp.training.rl_batch import RLBatch, dp_assignment, dp_shard
 
 LAYOUTS = {"dp2": dict(tp=1, pp=1), "pp2": dict(tp=1, pp=2), "tp2_sp": dict(tp=2, pp=1, sp=True)}
 ROWS, PROMPT, RESPONSE, VOCAB = 32, 4, 20, 512

@@ -1,4 +1,4 @@
-"""The collective-device checker of megatron_alp.comm on 2 gloo ranks, started with
+"""The collective-device checker of megatron_alp.runtime.comm on 2 gloo ranks, started with
 MEGATRON_ALP_CHECK_COLLECTIVE_DEVICES=1 (the trainer's own entry, init_distributed, installs it).
 
 Records, for the test to judge: what the checker says of CPU tensors on groups that are NCCL on a
@@ -18,14 +18,14 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from common import build, reinit
-from megatron_alp.comm import CollectiveDeviceError, comm_device, cpu_group
+from megatron_alp.runtime.comm import CollectiveDeviceError, comm_device, cpu_group
 from megatron_alp.config import LossConfig, OptimizerConfig, PerturbationConfig
-from megatron_alp.metrics import StepMetrics
-from megatron_alp.optim import build_optimizer, wrap_for_training
-from megatron_alp.platform import check_requested, on_accelerator
-from megatron_alp.micro_batch import Batching
-from megatron_alp.policy_update import compute_logprobs, train_mini_batch
-from megatron_alp.rl_batch import RLBatch
+from megatron_alp.training.step_metrics import StepMetrics
+from megatron_alp.training.optim import build_optimizer, wrap_for_training
+from megatron_alp.runtime.platform import check_requested, on_accelerator
+from megatron_alp.training.micro_batch import Batching
+from megatron_alp.training.policy_update import compute_logprobs, train_mini_batch
+from megatron_alp.training.rl_batch import RLBatch
 
 
 def attempt(fn) -> str:

@@ -15,11 +15,11 @@ from safetensors.torch import load_file
 
 from common import pipeline_logits, rank, reinit, tokens
 from megatron_alp.config import ModelConfig, PerturbationConfig
-from megatron_alp.dist_checkpoint import load_checkpoint, save_checkpoint
-from megatron_alp.models.builder import build_gpt_model
+from megatron_alp.training.dist_checkpoint import load_checkpoint, save_checkpoint
+from megatron_alp.training.builder import build_gpt_model
 from megatron_alp.models.families import hf_to_megatron, load_hf_config
 from megatron_alp.models.hf_weights import iter_hf_weights, load_hf_weights
-from megatron_alp.perturbation import controller_of
+from megatron_alp.training.perturbation import controller_of
 
 TOL = 1e-4  # fp32 logits vs transformers: different kernels and reduction orders
 

@@ -18,11 +18,11 @@ from megatron.core.utils import unwrap_model
 
 from common import build, pipeline_logits, rank, reinit, tokens
 from megatron_alp.config import OptimizerConfig, PerturbationConfig
-from megatron_alp.dist_checkpoint import latest_checkpoint, load_checkpoint, read_metadata, save_checkpoint
+from megatron_alp.training.dist_checkpoint import latest_checkpoint, load_checkpoint, read_metadata, save_checkpoint
 from megatron_alp.models.hf_weights import iter_hf_weights
 from megatron_alp.models.tiny import make_tiny_model
-from megatron_alp.optim import build_optimizer, wrap_for_training
-from megatron_alp.perturbation import next_microbatch, perturbed_step
+from megatron_alp.training.optim import build_optimizer, wrap_for_training
+from megatron_alp.training.perturbation import next_microbatch, perturbed_step
 
 work, result_path = Path(sys.argv[1]), sys.argv[2]
 PERT = PerturbationConfig(enabled=True, layers="0,2", init_std=1e-2, lr=5e-2)

@@ -18,9 +18,9 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from common import build, full_state, load_full_state, rank, reinit, tokens
 from megatron_alp.config import OptimizerConfig, ParallelConfig, PerturbationConfig
-from megatron_alp.offload import TrainingStateOffloader
-from megatron_alp.optim import build_optimizer, wrap_for_training
-from megatron_alp.perturbation import next_microbatch, perturbed_step
+from megatron_alp.training.offload import TrainingStateOffloader
+from megatron_alp.training.optim import build_optimizer, wrap_for_training
+from megatron_alp.training.perturbation import next_microbatch, perturbed_step
 
 LAYOUTS = {"dp2_bf16_distopt": dict(tp=1, pp=1, dtype="bfloat16", distopt=True),
            "pp2_fp32": dict(tp=1, pp=2, dtype="float32", distopt=False)}

@@ -12,8 +12,8 @@ from megatron.core import tensor_parallel
 
 from common import build, rank, reinit, tokens
 from megatron_alp.config import OptimizerConfig, PerturbationConfig
-from megatron_alp.optim import build_optimizer, learning_rates, wrap_for_training
-from megatron_alp.perturbation import next_microbatch, perturbed_step, sigma_parameters
+from megatron_alp.training.optim import build_optimizer, learning_rates, wrap_for_training
+from megatron_alp.training.perturbation import next_microbatch, perturbed_step, sigma_parameters
 
 par = reinit(1, 1)
 pert = PerturbationConfig(enabled=True, init_std=1e-2, lr=5e-2, lr_schedule="constant")

@@ -23,14 +23,14 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from common import build, full_state, load_full_state, reinit
-from megatron_alp.balance import sequence_cost
+from megatron_alp.algorithms.balance import sequence_cost
 from megatron_alp.config import LossConfig, OptimizerConfig, PerturbationConfig
-from megatron_alp.metrics import StepMetrics
-from megatron_alp.micro_batch import Batching
-from megatron_alp.optim import build_optimizer, wrap_for_training
-from megatron_alp import policy_update
-from megatron_alp.policy_update import compute_logprobs, train_mini_batch
-from megatron_alp.rl_batch import RLBatch, dp_assignment, dp_shard
+from megatron_alp.training.step_metrics import StepMetrics
+from megatron_alp.training.micro_batch import Batching
+from megatron_alp.training.optim import build_optimizer, wrap_for_training
+from megatron_alp.training import policy_update
+from megatron_alp.training.policy_update import compute_logprobs, train_mini_batch
+from megatron_alp.training.rl_batch import RLBatch, dp_assignment, dp_shard
 
 LAYOUTS = {
     "single": dict(tp=1, pp=1),

@@ -13,10 +13,10 @@ from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-import megatron_alp.perturbation as alp
+import megatron_alp.training.perturbation as alp
 from common import build, full_state, load_full_state, pipeline_logits, rank, reinit, tokens
 from megatron_alp.config import PerturbationConfig
-from megatron_alp.perturbation import controller_of, next_microbatch, perturbed_step, sigma_parameters
+from megatron_alp.training.perturbation import controller_of, next_microbatch, perturbed_step, sigma_parameters
 
 result_path = sys.argv[1]
 FAMILY = "qwen3"

@@ -24,14 +24,15 @@ import torch.distributed as dist
 
 from common import reinit
 from megatron_alp.config import ModelConfig, RolloutConfig, SamplingConfig
-from megatron_alp.models.builder import build_gpt_model
+from megatron_alp.training.builder import build_gpt_model
 from megatron_alp.models.families import hf_to_megatron, load_hf_config
 from megatron_alp.models.hf_weights import load_hf_weights
-from megatron_alp.micro_batch import Batching
-from megatron_alp.policy_update import compute_logprobs, probe_mismatch
-from megatron_alp.rl_batch import build_rl_batch
-from megatron_alp.rollout import DistributedRollout, SamplingParams, Trajectory
-from megatron_alp.rollout.weight_sync import mismatch_stats
+from megatron_alp.training.micro_batch import Batching
+from megatron_alp.training.policy_update import compute_logprobs, probe_mismatch
+from megatron_alp.training.rl_batch import build_rl_batch
+from megatron_alp.data.trajectory import Trajectory
+from megatron_alp.rollout import DistributedRollout, SamplingParams
+from megatron_alp.algorithms.mismatch import mismatch_stats
 
 FP32_TOL = 1e-4
 # Prompts of different lengths, so the balanced split is not just halves.

@@ -29,20 +29,20 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from common import full_state, load_full_state, reinit
-from megatron_alp import policy_update
+from megatron_alp.training import policy_update
 from megatron_alp.config import LossConfig, ModelConfig, OptimizerConfig, PerturbationConfig
-from megatron_alp.metrics import StepMetrics
-from megatron_alp.micro_batch import Batching
-from megatron_alp.models.builder import build_gpt_model
+from megatron_alp.training.step_metrics import StepMetrics
+from megatron_alp.training.micro_batch import Batching
+from megatron_alp.training.builder import build_gpt_model
 from megatron_alp.models.families import hf_to_megatron
 from megatron_alp.models.routing import RoutingControl
 from megatron_alp.models.tiny import tiny_hf_config
-from megatron_alp.optim import build_optimizer, wrap_for_training
-from megatron_alp.perturbation import sigma_parameters
-from megatron_alp.policy_update import compute_logprobs, train_mini_batch
-from megatron_alp.rl_batch import build_rl_batch, dp_assignment, dp_shard
-from megatron_alp.rollout.base import Trajectory
-from megatron_alp.routing_replay import PassRouting, routing_metrics
+from megatron_alp.training.optim import build_optimizer, wrap_for_training
+from megatron_alp.training.perturbation import sigma_parameters
+from megatron_alp.training.policy_update import compute_logprobs, train_mini_batch
+from megatron_alp.training.rl_batch import build_rl_batch, dp_assignment, dp_shard
+from megatron_alp.data.trajectory import Trajectory
+from megatron_alp.training.routing_replay import PassRouting, routing_metrics
 
 EXPERTS, TOPK, LAYERS = 8, 2, 4
 HF = tiny_hf_config("qwen3_moe", num_experts=EXPERTS, num_experts_per_tok=TOPK, num_hidden_layers=LAYERS)

@@ -21,10 +21,10 @@ from megatron.core import parallel_state as ps
 
 from common import build, full_state, load_full_state, rank, reinit, tokens
 from megatron_alp.config import LossConfig
-from megatron_alp.logprobs import reference_token_logprobs, token_logprobs
-from megatron_alp.metrics import StepMetrics
+from megatron_alp.training.logprobs import reference_token_logprobs, token_logprobs
+from megatron_alp.training.step_metrics import StepMetrics
 from megatron_alp.models.sharding import gather_tp, partition_dim_of
-from megatron_alp.policy_loss import POLICY_LOSSES, LossInputs, policy_loss
+from megatron_alp.algorithms.policy_loss import POLICY_LOSSES, LossInputs, policy_loss
 
 result_path = sys.argv[1]
 R = {}

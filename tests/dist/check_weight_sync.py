@@ -21,15 +21,16 @@ import torch.distributed as dist
 
 from common import reinit
 from megatron_alp.config import ModelConfig, RolloutConfig, SamplingConfig
-from megatron_alp.models.builder import build_gpt_model
+from megatron_alp.training.builder import build_gpt_model
 from megatron_alp.models.families import hf_to_megatron, load_hf_config
 from megatron_alp.models.hf_weights import load_hf_weights
-from megatron_alp.micro_batch import Batching
-from megatron_alp.policy_update import compute_logprobs, probe_mismatch
-from megatron_alp.rl_batch import build_rl_batch
-from megatron_alp.rollout import DistributedRollout, RolloutError, SamplingParams, Trajectory
+from megatron_alp.training.micro_batch import Batching
+from megatron_alp.training.policy_update import compute_logprobs, probe_mismatch
+from megatron_alp.training.rl_batch import build_rl_batch
+from megatron_alp.data.trajectory import Trajectory
+from megatron_alp.rollout import DistributedRollout, RolloutError, SamplingParams
 from megatron_alp.rollout.quantization import cpu_has_fp8_kv_kernels
-from megatron_alp.rollout.weight_sync import format_mismatch, mismatch_stats
+from megatron_alp.algorithms.mismatch import format_mismatch, mismatch_stats
 
 FP32_TOL = 1e-4  # float32 engine vs float32 Megatron, same tokens: different kernels and reduction orders
 PROMPTS = [[1, 3 + 17 * i, 40 + 5 * i, 200 + i, 9, 11 + i] for i in range(8)]

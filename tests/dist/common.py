@@ -8,11 +8,11 @@ from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_alp.config import ModelConfig, ParallelConfig, PerturbationConfig
-from megatron_alp.models.builder import build_gpt_model
+from megatron_alp.training.builder import build_gpt_model
 from megatron_alp.models.families import hf_to_megatron
 from megatron_alp.models.sharding import gather_tp, partition_dim_of, shard
 from megatron_alp.models.tiny import tiny_hf_config
-from megatron_alp.parallel import init_distributed
+from megatron_alp.runtime.parallel import init_distributed
 
 
 def reinit(tp: int = 1, pp: int = 1, sp: bool = False, seed: int = 1, ep: int = 1) -> ParallelConfig:

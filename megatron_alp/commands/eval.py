@@ -1,0 +1,152 @@
+"""`megatron-alp eval [CONFIG] [--model DIR]`: average@k and pass@k on math benchmarks.
+
+Each problem gets ``eval.k`` samples from a rollout engine of the command's own (vLLM or SGLang,
+as configured), scored by the configured reward; the benchmark files, the estimators and the
+sampling are those of validation during training (:mod:`megatron_alp.batches.evaluation`). Models
+are Hugging Face directories: convert a Megatron checkpoint with ``megatron-alp convert`` first.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+from megatron_alp.batches.evaluation import load_benchmark, response_budget, summarize
+from megatron_alp.batches.sampling import eval_params, sample
+from megatron_alp.commands.context import model_dir as resolve_model_dir
+from megatron_alp.commands.context import write_json, write_text
+from megatron_alp.config import Config, ConfigError, apply_overrides
+from megatron_alp.data.prompts import Prompt, load_tokenizer
+from megatron_alp.models.families import load_hf_config
+from megatron_alp.resolve import config_from_dict, load_config
+from megatron_alp.rewards import build_reward
+from megatron_alp.rollout import build_engine
+from megatron_alp.tir.sandbox import SandboxExecutor
+
+
+def parse_file_arg(item: str) -> tuple[str, str]:
+    """``NAME=PATH`` or ``PATH`` (named after the file: ``aime24.jsonl`` -> ``aime24``)."""
+    if "=" in item and not Path(item).exists():
+        name, path = item.split("=", 1)
+        return name.strip(), path.strip()
+    return Path(item).name.split(".")[0].lower(), item
+
+
+def generate(cfg: Config, model_dir: str, prompts: list[Prompt], seed: int):
+    """Texts (len(prompts) * k, grouped by prompt) and response lengths, from the rollout engine.
+    The engine context is prompt + ``eval.max_response_length``, at most the model's
+    ``max_position_embeddings``; an explicit ``rollout.max_model_len`` is taken as the context."""
+    ev = cfg.eval
+    longest = max(len(p.prompt_ids) for p in prompts)
+    wanted = longest + ev.max_response_length
+    positions = int(load_hf_config(model_dir).get("max_position_embeddings", wanted))
+    if cfg.rollout.max_model_len and cfg.rollout.max_model_len > positions:
+        raise ConfigError(f"rollout.max_model_len={cfg.rollout.max_model_len} exceeds the model's "
+                          f"max_position_embeddings={positions}")
+    context = cfg.rollout.max_model_len or min(wanted, positions)
+    max_tokens = response_budget(ev, context, longest)
+    sampling = cfg.rollout.sampling.model_copy(
+        update=dict(n=ev.k, temperature=ev.temperature, top_p=ev.top_p, top_k=-1, max_response_length=max_tokens))
+    rollout_cfg = cfg.rollout.model_copy(update=dict(sampling=sampling, max_model_len=context))
+    params = eval_params(ev, max_tokens)
+    engine = build_engine(rollout_cfg, model_dir, seed)
+    try:
+        ids = [p.prompt_ids for p in prompts]
+        if cfg.tir.enabled:
+            with SandboxExecutor(cfg.tir.sandbox) as executor:
+                trajs = sample(engine, ids, params, cfg.tir, load_tokenizer(model_dir), executor)
+        else:
+            trajs = sample(engine, ids, params, cfg.tir)
+        return [t.response_text for t in trajs], [len(t.response_ids) for t in trajs]
+    finally:
+        engine.shutdown()
+
+
+def evaluate(cfg: Config, model_dir: str, files: list[tuple[str, str]], *, seed: int,
+             limit: Optional[int] = None, samples_path: Optional[Path] = None) -> dict:
+    """Score ``model_dir`` on each (name, path) benchmark; returns the results dict."""
+    if not files:
+        raise ConfigError("no benchmark files: set eval.files or data.val_files in the config, or pass --files")
+    names = [name for name, _ in files]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"benchmark names must differ (got {names}): name files as NAME=PATH")
+    tokenizer = load_tokenizer(model_dir)
+    benches = [load_benchmark(name, path, tokenizer, cfg, limit) for name, path in files]
+    prompts = [p for b in benches for p in b.prompts]
+    t0 = time.time()
+    texts, lengths = generate(cfg, model_dir, prompts, seed)
+    gen_s = time.time() - t0
+    truths = [p.ground_truth for p in prompts for _ in range(cfg.eval.k)]
+    rewards = build_reward(cfg.reward)(texts, truths)
+    results, records = summarize(benches, texts, lengths, rewards, cfg.eval)
+    results.update(model=str(model_dir), seed=seed, generation_s=gen_s)
+    if samples_path is not None:
+        write_text(samples_path, "".join(json.dumps(r) + "\n" for r in records))
+    return results
+
+
+def format_table(results: dict, show_k: Optional[list[int]] = None) -> str:
+    k = results["k"]
+    avg_key = f"average@{k}"
+    rows = [(name, s) for name, s in results["benchmarks"].items()] + [("Average", results["average"])]
+    ks = [j for j in results["average"]["pass@k"] if show_k is None or int(j) in show_k]
+    header = ["benchmark", "problems", avg_key] + [f"pass@{j}" for j in ks]
+    lines = [header]
+    for name, s in rows:
+        lines.append([name, str(s.get("problems", "")), f"{100 * s[avg_key]:.2f}"]
+                     + [f"{100 * s['pass@k'][j]:.2f}" for j in ks])
+    widths = [max(len(r[i]) for r in lines) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                     for r in lines)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("config", nargs="?",
+                        help="run config (YAML); its rollout, reward, data and eval sections are used")
+    parser.add_argument("--model", help="Hugging Face model directory (default: model.hf_path of the config)")
+    parser.add_argument("--files", nargs="+",
+                        help="benchmark files, PATH or NAME=PATH (default: eval.files, else data.val_files)")
+    parser.add_argument("--k", type=int, help="samples per problem (default: eval.k)")
+    parser.add_argument("--limit", type=int, help="only the first N problems of each file (smoke runs)")
+    parser.add_argument("--seed", type=int, help="engine seed (default: trainer.seed)")
+    parser.add_argument("--out", help="results JSON (default: <trainer.output_dir>/eval.json)")
+    parser.add_argument("--samples", help="also write every sample (response, reward) to this JSONL file")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="config overrides, e.g. eval.temperature=0.6 rollout.engine=sglang")
+
+
+def _is_override(item: str) -> bool:
+    """``eval.k=4`` typed after ``--files`` (which takes every word) is an override, not a file."""
+    key = item.split("=", 1)[0]
+    return "=" in item and key.split(".")[0] in Config.model_fields and "." in key
+
+
+def run(args) -> int:
+    if args.config and _is_override(args.config):  # `eval --model DIR eval.k=4`: no config given
+        args.overrides = [args.config, *(args.overrides or [])]
+        args.config = None
+    file_args = [f for f in (args.files or []) if not _is_override(f)]
+    overrides = [f for f in (args.files or []) if _is_override(f)] + list(args.overrides or [])
+    if args.k is not None:
+        overrides.append(f"eval.k={args.k}")
+    if args.config:
+        cfg = load_config(args.config, overrides)
+    elif args.model:
+        cfg = config_from_dict(apply_overrides({"model": {"hf_path": args.model}}, overrides), "--model")
+    else:
+        raise SystemExit("megatron-alp eval: pass a CONFIG file and/or --model DIR")
+    model_dir = str(resolve_model_dir(cfg, args.model))
+    files = [parse_file_arg(f) for f in (file_args or cfg.eval.files or cfg.data.val_files)]
+    seed = cfg.trainer.seed if args.seed is None else args.seed
+    out = Path(args.out) if args.out else Path(cfg.trainer.output_dir) / "eval.json"
+    results = evaluate(cfg, model_dir, files, seed=seed, limit=args.limit,
+                       samples_path=Path(args.samples) if args.samples else None)
+    for name, s in results["benchmarks"].items():
+        if s["skipped"]:
+            print(f"{name}: skipped rows {s['skipped']}")
+    print(format_table(results))
+    write_json(out, results)
+    print(f"results written to {out}")
+    return 0

@@ -1,0 +1,35 @@
+"""`megatron-alp plan CONFIG [--gpus N] [--gpu-mem GIB]`: the per-GPU memory of every phase of a
+run (:mod:`megatron_alp.trainer.memory_plan`), and whether it fits; refuses a layout that does not,
+naming the keys to change."""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron_alp.config import ConfigError
+from megatron_alp.resolve import load_config
+from megatron_alp.trainer.memory_plan import DEFAULT_GPU_MEM_GIB, default_gpus, memory_plan
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="YAML config file (see docs/configuration.md)")
+    parser.add_argument("overrides", nargs="*", help="KEY=VALUE overrides, e.g. trainer.micro_batch_size=2")
+    parser.add_argument("--gpus", type=int, default=None,
+                        help="GPUs of the job; with rollout.placement: separate the trainer's GPUs (its world "
+                        "size), the engines' rollout.gpus of each node come on top (default: the fewest the "
+                        "config's parallel layout runs on)")
+    parser.add_argument("--nproc-per-node", type=int, default=None,
+                        help="rollout.placement: separate: trainer ranks per node (torchrun --nproc_per_node; "
+                        "default: the GPUs below the first of rollout.gpus, at most --gpus)")
+    parser.add_argument("--gpu-mem", type=float, default=DEFAULT_GPU_MEM_GIB,
+                        help=f"memory of one GPU in GiB (default {DEFAULT_GPU_MEM_GIB:g}: H100 80GB)")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    gpus = args.gpus if args.gpus is not None else default_gpus(cfg)
+    plan = memory_plan(cfg, gpus, args.gpu_mem, nproc_per_node=args.nproc_per_node)
+    print(plan.report(), flush=True)
+    if not plan.fits:
+        raise ConfigError(plan.refusal())
+    return 0

@@ -1,0 +1,34 @@
+"""The configuration wing: the schema of every key (:mod:`~megatron_alp.config.schema`) and
+reading it from YAML and overrides (:mod:`~megatron_alp.config.loading`). Resolving a config
+against the registries is :mod:`megatron_alp.resolve`, which sits above them."""
+
+from megatron_alp.config.loading import apply_overrides, read_config, validate_schema
+from megatron_alp.config.schema import (
+    TIR_SYSTEM_PROMPT,
+    AdvantageConfig,
+    Config,
+    ConfigError,
+    DataConfig,
+    EvalConfig,
+    InputError,
+    LossConfig,
+    ModelConfig,
+    MoEConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    PerturbationConfig,
+    RewardConfig,
+    RolloutConfig,
+    SamplingConfig,
+    SandboxConfig,
+    TIRConfig,
+    TrainerConfig,
+    parse_layer_selection,
+)
+
+__all__ = [
+    "TIR_SYSTEM_PROMPT", "AdvantageConfig", "Config", "ConfigError", "DataConfig", "EvalConfig", "InputError",
+    "LossConfig", "ModelConfig", "MoEConfig", "OptimizerConfig", "ParallelConfig", "PerturbationConfig",
+    "RewardConfig", "RolloutConfig", "SamplingConfig", "SandboxConfig", "TIRConfig", "TrainerConfig",
+    "apply_overrides", "parse_layer_selection", "read_config", "validate_schema",
+]

@@ -1,0 +1,1 @@
+"""What the trainer reads and learns from: prompt data sets, the tokenizer, trajectories."""

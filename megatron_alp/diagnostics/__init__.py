@@ -1,0 +1,1 @@
+"""Diagnostics: the training-inference mismatch report and the figures of a run."""

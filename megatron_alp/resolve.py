@@ -1,0 +1,156 @@
+"""A run's config, resolved: the schema checked against the registries and the defaults that
+follow from other keys set.
+
+The schema (:mod:`megatron_alp.config`) checks each key and each section on its own. Resolving
+adds what needs the registries, which sit above the schema: a key that names a registry member
+(``json_schema_extra={"registry": ...}`` in the schema: ``loss.name``, ``rollout.engine`` and its
+``sync_method``, ``model.tiny``, ``reward.name``) must name one, the engine refuses what it cannot
+honour, and the derived defaults are set (``perturbation.enabled`` from the loss, the loss's clip
+range, the distributed optimizer for half-precision ALP, MoE routing, the TIR instruction).
+:func:`load_config` and :func:`config_from_dict` read and resolve; every command loads its config
+through them, and :class:`~megatron_alp.trainer.RLTrainer` refuses a config that was not resolved.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from pydantic import BaseModel
+
+import megatron_alp.rollout  # noqa: F401  (registers the engines)
+from megatron_alp.algorithms.policy_loss import POLICY_LOSSES, get_policy_loss
+from megatron_alp.config import TIR_SYSTEM_PROMPT, Config, ConfigError, apply_overrides, validate_schema
+from megatron_alp.config.loading import format_errors, read_yaml
+from megatron_alp.models.families import FAMILIES
+from megatron_alp.rewards import REWARDS
+from megatron_alp.rollout.base import ENGINES
+
+
+def _sync_methods() -> dict:
+    return {m: e for e in ENGINES.values() for m in e.sync_methods}
+
+
+# registry key of the schema -> (what its members are called, its members by name)
+REGISTRIES: dict[str, tuple[str, Callable[[], dict]]] = {
+    "loss": ("policy loss", lambda: POLICY_LOSSES),
+    "engine": ("rollout engine", lambda: ENGINES),
+    "sync_method": ("weight sync method", _sync_methods),
+    "family": ("model family", lambda: FAMILIES),
+    "reward": ("reward", lambda: REWARDS),
+}
+
+
+def registry_members(registry: str) -> list[str]:
+    """The names a key marked ``registry`` accepts (config docs list them)."""
+    return sorted(REGISTRIES[registry][1]())
+
+
+def _registry_errors(section: BaseModel, prefix: str) -> list[tuple[str, str, Any]]:
+    """``(key, message, value)`` of every key of ``section`` (recursively) that names no member of
+    its registry."""
+    errors = []
+    for name, field in type(section).model_fields.items():
+        value = getattr(section, name)
+        if isinstance(value, BaseModel):
+            errors += _registry_errors(value, f"{prefix}{name}.")
+            continue
+        registry = (field.json_schema_extra or {}).get("registry")
+        if registry is None or value is None:
+            continue
+        what, members = REGISTRIES[registry]
+        if value not in members():
+            errors.append((f"{prefix}{name}", f"unknown {what} {value!r}; expected one of {sorted(members())}", value))
+    return errors
+
+
+def _perturbation(cfg: Config) -> None:
+    """``perturbation.enabled`` follows the loss (refusing a contradiction), and what needs it."""
+    spec, pert = get_policy_loss(cfg.loss.name), cfg.perturbation
+    if pert.enabled is None:
+        pert.enabled = spec.perturbed
+    elif pert.enabled and not spec.perturbed and not pert.allow_with_baseline:
+        raise ValueError(
+            f"perturbation.enabled: true with loss.name={cfg.loss.name}, a baseline whose update forward is "
+            "not perturbed: the run would be ALP under a baseline's name. Remove perturbation.enabled (it "
+            "follows the loss), or set perturbation.allow_with_baseline: true for an ablation"
+        )
+    elif not pert.enabled and spec.perturbed:
+        raise ValueError(
+            f"perturbation.enabled: false with loss.name={cfg.loss.name}, which is ALP and needs the "
+            "perturbed forward (the unperturbed single-ratio baseline is seq_bypass)"
+        )
+    if pert.calibrate_every and pert.init_std != "auto":
+        raise ValueError(f"perturbation.calibrate_every: {pert.calibrate_every} re-calibrates sigma, which needs "
+                         f"perturbation.init_std: auto (got {pert.init_std})")
+    if pert.init_std == "auto" and not pert.enabled:
+        raise ValueError(f"perturbation.init_std: auto calibrates the ALP noise, but loss.name={cfg.loss.name} "
+                         "runs unperturbed (perturbation.enabled is false)")
+
+
+def _distributed_optimizer(cfg: Config) -> None:
+    """On for half-precision ALP unless set: Megatron's fp16 optimizer cannot checkpoint fp32 sigmas."""
+    half_with_sigmas = cfg.model.dtype != "float32" and cfg.perturbation.enabled
+    if cfg.parallel.use_distributed_optimizer is None:
+        cfg.parallel.use_distributed_optimizer = half_with_sigmas
+    elif half_with_sigmas and not cfg.parallel.use_distributed_optimizer:
+        raise ValueError(
+            f"parallel.use_distributed_optimizer: false with model.dtype={cfg.model.dtype} and ALP: Megatron-Core's "
+            "non-distributed fp16 optimizer cannot checkpoint the fp32 sigmas (the first save would fail); set it "
+            "true or leave it null (with one data-parallel rank it shards nothing)")
+
+
+def _moe(cfg: Config) -> None:
+    """Routing replay needs an MoE model; noise routing and engine routing follow the replay."""
+    replay = cfg.moe.routing_replay
+    if replay != "none" and cfg.model.tiny is not None and not FAMILIES[cfg.model.tiny].moe:
+        moe = sorted(name for name, family in FAMILIES.items() if family.moe)
+        raise ValueError(f"moe.routing_replay={replay} needs a mixture-of-experts model; model.tiny="
+                         f"{cfg.model.tiny} is dense (use none, or model.tiny={'/'.join(moe)})")
+    if cfg.perturbation.moe_routing is None:
+        cfg.perturbation.moe_routing = "fixed" if replay != "none" else "follow"
+    engine_routing = cfg.rollout.return_routed_experts
+    if engine_routing is None:
+        cfg.rollout.return_routed_experts = replay == "r3"
+    elif not engine_routing and replay == "r3":
+        raise ValueError("moe.routing_replay=r3 replays the engine's routing, which rollout.return_routed_experts="
+                         "false turns off: remove that key, or choose moe.routing_replay r2 or none")
+
+
+def _tir_instruction(cfg: Config) -> None:
+    """TIR runs default to the instruction that describes the interpreter."""
+    if cfg.tir.enabled and "system_prompt" not in cfg.data.model_fields_set:
+        cfg.data = cfg.data.model_copy(update={"system_prompt": TIR_SYSTEM_PROMPT})
+
+
+def resolve(cfg: Config, source: str = "<dict>") -> Config:
+    """Check ``cfg`` against the registries and set its derived defaults, in place; returns it.
+    Raises :class:`ConfigError` naming each key. Resolving twice changes nothing."""
+    errors = _registry_errors(cfg, "")
+    if not errors:
+        try:
+            ENGINES[cfg.rollout.engine].check_config(cfg.rollout)
+        except ValueError as err:
+            errors.append(("rollout", str(err), ...))
+    if errors:
+        raise ConfigError(format_errors(errors, source))
+    try:
+        _perturbation(cfg)
+        _distributed_optimizer(cfg)
+        cfg.loss.clip_low, cfg.loss.clip_high = get_policy_loss(cfg.loss.name).clip_range(cfg.loss)
+        _moe(cfg)
+        _tir_instruction(cfg)
+    except ValueError as err:
+        raise ConfigError(format_errors([("<top level>", str(err), ...)], source)) from None
+    cfg._resolved = True
+    return cfg
+
+
+def config_from_dict(data: dict, source: str = "<dict>") -> Config:
+    """A raw config dict, schema-validated and resolved (:class:`ConfigError` naming each key)."""
+    return resolve(validate_schema(data, source), source)
+
+
+def load_config(path: str | Path, overrides: Optional[list[str]] = None) -> Config:
+    """A YAML config file with ``KEY=VALUE`` overrides, schema-validated and resolved."""
+    return config_from_dict(apply_overrides(read_yaml(path), overrides or []), str(path))

@@ -1,0 +1,51 @@
+"""The Hugging Face directory a run starts from: ``model.hf_path``, or for a tiny model
+``RUN/base_model``, created (and warm-started if asked) once per run directory.
+
+This is the one model-directory rule: the trainer creates the tiny base model here, and every
+command that needs the run's model (``eval``, ``mismatch``, ``intervene``) finds it here.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from megatron_alp.config import Config, InputError
+from megatron_alp.data.prompts import PromptDataset, load_tokenizer
+from megatron_alp.models.tiny import make_tiny_model
+from megatron_alp.runtime.console import say
+from megatron_alp.trainer.warm_start import warm_start, warmup_examples
+
+
+def base_model_dir(cfg: Config) -> Path:
+    """``model.hf_path``, else ``trainer.output_dir/base_model`` (a tiny model's)."""
+    if cfg.model.hf_path is not None:
+        return Path(cfg.model.hf_path)
+    return Path(cfg.trainer.output_dir) / "base_model"
+
+
+def check_model_dir(path: Path, key: str, hint: str = "") -> Path:
+    """``path`` if it is a Hugging Face model directory, else an :class:`InputError` naming ``key``
+    (and ``hint``: what else the user can pass)."""
+    if not (Path(path) / "config.json").is_file():
+        raise InputError(f"{key}: {path} has no config.json (expected a Hugging Face model directory{hint})")
+    return Path(path)
+
+
+def make_base_model(cfg: Config, path: Path) -> None:
+    """Create the tiny ``model.tiny`` model at ``path`` and, with ``trainer.sft_warmup_steps``, warm
+    start it on the training answers; written beside and moved into place, so a kill leaves none."""
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    make_tiny_model(cfg.model.tiny, tmp, seed=cfg.trainer.seed, **cfg.model.tiny_config)
+    if cfg.trainer.sft_warmup_steps:
+        tok = load_tokenizer(tmp)
+        data = PromptDataset.from_config(cfg.data, tok, cfg.rollout.sampling.max_prompt_length, split="train")
+        examples = warmup_examples(data, tok, cfg.trainer.sft_warmup_format, cfg.tir.tool_format,
+                                   unboxed=cfg.trainer.sft_warmup_unboxed, seed=cfg.trainer.seed)
+        stats = warm_start(tmp, examples, tok, steps=cfg.trainer.sft_warmup_steps, lr=cfg.trainer.sft_warmup_lr,
+                           seed=cfg.trainer.seed)
+        say(f"warm start: loss {stats['warmstart/first_loss']:.3f} -> {stats['warmstart/last_loss']:.3f} "
+            f"in {stats['warmstart/steps']} steps")
+    os.replace(tmp, path)

@@ -1,0 +1,87 @@
+"""An iteration's metrics, assembled from what its phases returned, by pure functions.
+
+Each function turns one product of the iteration into its flat ``group/name`` metrics: the
+sampled batch (:func:`batch_metrics`), the trajectories' policy versions
+(:func:`staleness_metrics`), the optimizer steps (:func:`update_metrics`) and the throughput
+(:func:`throughput_metrics`). The loss statistics come reduced from the update
+(:class:`~megatron_alp.training.step_metrics.StepMetrics`), one dict per step, averaged by
+:func:`mean_dicts`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from megatron_alp.algorithms.dynamic_sampling import Groups, zero_variance
+from megatron_alp.batches.scoring import overlong_penalties
+from megatron_alp.config import Config
+from megatron_alp.tir.multi_turn import tir_metrics
+
+
+def mean_dicts(dicts: list[dict]) -> dict:
+    """Per key over ``dicts`` (finite numbers only): the min of ``*/min``, the max of ``*/max``,
+    else the mean."""
+    keys = {k for d in dicts for k in d}
+    out = {}
+    for k in sorted(keys):
+        vals = [d[k] for d in dicts if k in d and isinstance(d[k], (int, float)) and np.isfinite(d[k])]
+        if not vals:
+            continue
+        if k.endswith("/min"):
+            out[k] = float(min(vals))
+        elif k.endswith("/max"):
+            out[k] = float(max(vals))
+        else:
+            out[k] = float(np.mean(vals))
+    return out
+
+
+def staleness_metrics(trajectories, iteration: int, partial_rollout: bool) -> dict:
+    """How many weight versions behind the trained policy each trajectory was generated."""
+    staleness = np.array([iteration - t.policy_version for t in trajectories], dtype=np.float64)
+    out = {"staleness/mean": float(staleness.mean()), "staleness/max": float(staleness.max())}
+    if partial_rollout:
+        out["staleness/multi_version_frac"] = float(np.mean(
+            [len(t.info.get("version_spans", ())) > 1 for t in trajectories]))
+    return out
+
+
+def batch_metrics(cfg: Config, groups: Groups, truncated: torch.Tensor) -> dict:
+    """Rewards, response lengths and truncation of the trained batch; tool use in TIR runs."""
+    rewards, trajectories = groups.rewards, groups.trajectories
+    resp = torch.tensor([len(t.response_ids) for t in trajectories], dtype=torch.float32)
+    truncated_frac = truncated.float().mean().item()
+    out = {
+        "reward/mean": rewards.mean().item(),
+        "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
+        "response_length/mean": resp.mean().item(),
+        "response_length/max": resp.max().item(),
+        "response/truncated_frac": truncated_frac,
+        "response/masked_truncated_frac": truncated_frac if cfg.loss.mask_truncated else 0.0,
+        "reward/overlong_penalty_mean": float(np.mean(overlong_penalties(cfg, trajectories))),
+        "batch/groups": float(len(groups)),
+        "batch/zero_variance_groups": float(zero_variance(rewards, cfg.rollout.sampling.n).sum()),
+    }
+    if cfg.tir.enabled:
+        out.update(tir_metrics(trajectories))
+    return out
+
+
+def update_metrics(step_stats: list[dict]) -> dict:
+    """The optimizer steps of the iteration: micro-batches, padding, gradient norm, skipped steps."""
+    return {
+        "batch/micro_batches": float(np.mean([s["micro_batches"] for s in step_stats])),
+        "batch/padding_frac": 1.0 - sum(s["tokens"] for s in step_stats) / max(
+            1, sum(s["computed_tokens"] for s in step_stats)),
+        "grad_norm": float(np.mean([s["grad_norm"] for s in step_stats])),
+        "update/skipped": float(sum(not s["update_ok"] for s in step_stats)),
+    }
+
+
+def throughput_metrics(tokens: float, timing: dict) -> dict:
+    """Tokens per second of the whole iteration, and the engines' generated tokens per second."""
+    return {
+        "throughput/tokens_per_s": tokens / max(timing["timing/total_s"], 1e-9),
+        "throughput/rollout_tokens_per_s": timing["rollout/response_tokens"] / max(timing["timing/rollout_s"], 1e-9),
+    }

@@ -1,0 +1,322 @@
+"""The RL recipe: :class:`RLTrainer`, which ``megatron-alp train`` runs on every rank under torchrun.
+
+One iteration (:meth:`RLTrainer.train_iteration`), as in the paper's setup: the batch source's next
+scored batch (rollouts from the inference engine, n per prompt, with rewards) -> GRPO advantages ->
+[old-policy and reference logprob passes, unperturbed; sigma calibration when due] -> k
+policy-update mini-batches with the chosen loss (perturbed forward for ALP) -> weight sync to the
+engines -> the iteration's metrics. Where the batch comes from (on-policy, generated ahead by up to
+``trainer.max_staleness`` iterations, with dynamic sampling) is the batch source's business
+(:mod:`megatron_alp.batches`), chosen once at setup.
+
+Prompt sampling is deterministic and identical on all ranks; rollouts and rewards are produced once
+and every rank gets them; each data-parallel rank trains on its share of every mini-batch, so an
+optimizer step sees the same rows on any number of ranks. Randomness is re-derived from (seed,
+iteration) at the start of every iteration, each rollout sample from (seed, iteration[,
+dynamic-sampling round], prompt, sample) (``rollout.sampling.per_sample_seeds``) and ALP noise from
+(seed, step, micro-batch, ranks), so a resumed run replays exactly what an uninterrupted run would
+have done, and another parallel layout samples the same rollouts.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from megatron_alp.algorithms.policy_loss import needs_old_logprobs, needs_ref_logprobs
+from megatron_alp.batches.evaluation import Validation
+from megatron_alp.batches.sampling import VALIDATION_STREAM, sample_seed
+from megatron_alp.batches.scoring import Scorer
+from megatron_alp.batches.sources import build_batch_source
+from megatron_alp.config import Config, InputError
+from megatron_alp.data.prompts import PromptDataset, PromptSampler, load_tokenizer, pad_id
+from megatron_alp.diagnostics.figures import make_plots
+from megatron_alp.models.families import hf_to_megatron, load_hf_config
+from megatron_alp.rewards import build_reward
+from megatron_alp.rollout import DistributedRollout
+from megatron_alp.rollout.placement import pin_trainer_cores
+from megatron_alp.runtime.console import say
+from megatron_alp.runtime.parallel import destroy_distributed, init_distributed
+from megatron_alp.runtime.platform import has_gpu
+from megatron_alp.runtime.run_log import RunLogger, save_token_probs
+from megatron_alp.runtime.seeding import derive_seed, seed_everything
+from megatron_alp.tir.sandbox import SandboxExecutor
+from megatron_alp.trainer.base_model import base_model_dir, check_model_dir, make_base_model
+from megatron_alp.trainer.memory_plan import check_fits
+from megatron_alp.trainer.metrics import (
+    batch_metrics,
+    mean_dicts,
+    staleness_metrics,
+    throughput_metrics,
+    update_metrics,
+)
+from megatron_alp.trainer.phases import engine_awake, memory_in_use, offloaded, peak_memory, timed
+from megatron_alp.trainer.run_dir import checkpoint_dir, kill_during_save, lock_run_dir, prune_checkpoints, write_config
+from megatron_alp.training.calibration import calibrate_sigma, calibration_due, calibration_line
+from megatron_alp.training.dist_checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from megatron_alp.training.micro_batch import Batching
+from megatron_alp.training.offload import offloader_for
+from megatron_alp.training.optim import learning_rates
+from megatron_alp.training.perturbation import gather_sigma_stats
+from megatron_alp.training.policy import build_policy, build_reference
+from megatron_alp.training.policy_update import (
+    compute_logprobs,
+    from_last_stage,
+    model_chunks,
+    probe_mismatch,
+    train_mini_batch,
+)
+from megatron_alp.training.rl_batch import check_batch_layout, data_parallel_split, mini_batches, training_batch
+from megatron_alp.training.routing_replay import RoutingPlan, routing_metrics
+from megatron_alp.training.step_metrics import StepMetrics
+
+
+class RLTrainer:
+    def __init__(self, cfg: Config):
+        if not cfg.resolved:
+            raise ValueError("RLTrainer takes a resolved config: megatron_alp.resolve.load_config or config_from_dict")
+        self.cfg = cfg
+        self.run_dir = Path(cfg.trainer.output_dir)
+        self.iteration = 0
+        self.step = 0
+        self.logger = self.rollout = self.executor = self.batches = self._validation = None
+
+    # ------------------------------------------------------------------------------- setup
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        init_distributed(cfg.parallel, seed=cfg.trainer.seed)
+        self.rank = dist.get_rank()
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._lock = lock_run_dir(self.run_dir)
+            write_config(self.run_dir, cfg)
+        check_batch_layout(cfg.trainer, cfg.rollout.sampling.n, ps.get_data_parallel_world_size())
+        if has_gpu():
+            check_fits(cfg, dist.get_world_size(), torch.cuda.get_device_properties(0).total_memory / 2**30,
+                       nproc_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
+        # TIR: code runs on rank 0 only and its output is broadcast, so every rank's episodes agree; the
+        # sandbox starts first so that a machine without full isolation refuses before any model loads
+        self.executor = SandboxExecutor(cfg.tir.sandbox) if cfg.tir.enabled and self.rank == 0 else None
+        self.model_dir = self._model_dir()
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.pad_id = pad_id(self.tokenizer)
+        dataset = PromptDataset.from_config(cfg.data, self.tokenizer, cfg.rollout.sampling.max_prompt_length,
+                                            split="train").head(cfg.data.max_train_prompts)
+        if self.rank == 0 and getattr(dataset, "skipped", None):
+            say(f"data: skipped rows {dict(dataset.skipped)}")
+        self.sampler = PromptSampler(dataset, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+        self.reward_fn = build_reward(cfg.reward) if self.rank == 0 else None
+        self.args = hf_to_megatron(load_hf_config(self.model_dir))
+        self._build_models()
+        self._start_rollout(resumed=self._maybe_resume())
+        self.batches = build_batch_source(cfg, self.rollout, self.sampler, Scorer(cfg, self.reward_fn),
+                                          tokenizer=self.tokenizer, executor=self.executor)
+        if self.rank == 0:
+            self.logger = RunLogger(self.run_dir, total_iterations=cfg.trainer.iterations, start_iteration=self.iteration,
+                                    tensorboard=cfg.trainer.tensorboard, wandb_project=cfg.trainer.wandb_project,
+                                    progress_bar=cfg.trainer.progress_bar, config=cfg.model_dump(mode="json"))
+
+    def _model_dir(self) -> Path:
+        """The HF directory the engine and the Megatron model start from (a tiny model is created,
+        and warm-started if asked, once per run directory)."""
+        path = base_model_dir(self.cfg)
+        if self.cfg.model.hf_path is not None:
+            return check_model_dir(path, "model.hf_path")
+        if self.rank == 0 and not (path / "config.json").is_file():
+            make_base_model(self.cfg, path)
+        dist.barrier()
+        return path
+
+    def _build_models(self) -> None:
+        cfg = self.cfg
+        total_steps = cfg.trainer.iterations * cfg.trainer.updates_per_iteration
+        policy = build_policy(self.args, cfg, self.model_dir, total_steps)
+        self.policy, self.optimizer, self.scheduler, self.policy_module = (
+            policy.model, policy.optimizer, policy.scheduler, policy.module)
+        self.routing = RoutingPlan.for_config(cfg)
+        self.reference = None
+        if needs_ref_logprobs(cfg.loss):
+            self.reference = build_reference(self.args, cfg, cfg.model.load or self.model_dir)
+        self.need_old = needs_old_logprobs(cfg.loss.name) or cfg.trainer.mismatch_metrics or self.routing.needs_old_pass
+        chunks = model_chunks(self.policy) + ([self.reference] if self.reference is not None else [])
+        self.offloader = offloader_for(cfg.rollout, chunks, self.optimizer)
+
+    def _maybe_resume(self) -> bool:
+        ckpt = latest_checkpoint(self.run_dir) if self.cfg.trainer.resume else None
+        if ckpt is None:
+            return False
+        extra = load_checkpoint(ckpt, self.policy_module, optimizer=self.optimizer, opt_param_scheduler=self.scheduler)
+        self.iteration, self.step = int(extra["iteration"]), int(extra["step"])
+        if int(extra.get("policy_version", self.iteration)) != self.iteration:
+            raise InputError(f"checkpoint {ckpt}: policy version {extra['policy_version']} does not match its "
+                             f"iteration {self.iteration}")
+        self.sampler.load_state_dict(extra["sampler"])
+        if self.rank == 0:
+            say(f"resumed from {ckpt} at iteration {self.iteration}, step {self.step}")
+        return True
+
+    def _start_rollout(self, resumed: bool) -> None:
+        cfg = self.cfg
+        with offloaded(self.offloader, {}):  # the engine claims its memory while Megatron's state is away
+            self.rollout = DistributedRollout(cfg.rollout, str(self.model_dir), seed=cfg.trainer.seed,
+                                              scorer=probe_mismatch, version=self.iteration,
+                                              background=cfg.trainer.max_staleness > 0)
+            self.rollout.sleep()
+        pin_trainer_cores(cfg.rollout)
+        if cfg.trainer.max_staleness and cfg.tir.enabled and self.rollout.replica is not None:
+            if self.executor is None:
+                self.executor = SandboxExecutor(cfg.tir.sandbox)  # each replica leader runs its episodes' code
+            self.executor.cores = self.rollout.engine_cores
+        if resumed or cfg.model.load is not None:
+            self.rollout.sync_weights(self.policy_module, version=self.iteration)
+
+    # ------------------------------------------------------------------------------- loop
+
+    def train(self) -> None:
+        t = self.cfg.trainer
+        while self.iteration < t.iterations:
+            metrics = self.train_iteration()
+            self.iteration += 1
+            if t.eval_interval and (self.iteration % t.eval_interval == 0 or self.iteration == t.iterations):
+                metrics.update(self.validate())
+            if self.rank == 0:
+                self.logger.log(self.iteration - 1, metrics)
+            if self.iteration % t.save_interval == 0 or self.iteration == t.iterations:
+                self.save()
+                self._plot()
+
+    def train_iteration(self) -> dict:
+        cfg, m = self.cfg, {}
+        t_start = time.time()
+        seed_everything(derive_seed(cfg.trainer.seed, self.iteration) % (2**31))
+        with engine_awake(self.rollout, self.offloader, m):
+            groups = self.batches.next_batch(self.iteration, m)
+            m.update(memory_in_use("rollout"))
+        m.update(self.rollout.take_stats())
+        m.update(staleness_metrics(groups.trajectories, self.iteration, cfg.rollout.partial_rollout))
+        batch, truncated = training_batch(cfg, groups.trajectories, groups.rewards, self.pad_id)
+        local, sizes, balance = data_parallel_split(batch, cfg.trainer, self.args.transformer["hidden_size"],
+                                                    ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
+        m.update(balance)
+        with peak_memory(m, "logprob"):
+            self._logprob_passes(local, m)
+        with peak_memory(m, "update"), timed(m, "update"):
+            step_stats, loss_metrics = self._update(local, sizes)
+        with peak_memory(m, "sync"), timed(m, "sync"):
+            sync_stats = self.rollout.sync_weights(self.policy_module, version=self.iteration + 1)
+        m["timing/total_s"] = time.time() - t_start
+
+        out = from_last_stage({"step": self.step, **mean_dicts(loss_metrics)})
+        out.update(batch_metrics(cfg, groups, truncated))
+        out.update(update_metrics(step_stats))
+        out.update(learning_rates(self.optimizer))
+        out.update(gather_sigma_stats(self.policy_module))
+        out.update(routing_metrics(self.policy))
+        out.update(m)
+        out.update({k: v for k, v in (sync_stats or {}).items() if isinstance(v, (int, float))})
+        out.update(throughput_metrics(float(batch.lengths.sum().item()), m))
+        self._dump_token_probs(local)
+        return out
+
+    def _logprob_passes(self, local, m: dict) -> None:
+        """The unperturbed old-policy pass (when the loss, the mismatch metrics or routing replay need
+        it), sigma calibration when due, and the reference pass (with a KL penalty)."""
+        cfg = self.cfg
+        passes = dict(batching=Batching.for_logprobs(cfg.trainer), temperature=cfg.rollout.sampling.temperature,
+                      pad_id=self.pad_id, fused=cfg.trainer.fused_linear_logprobs)
+        calibrate = calibration_due(cfg.perturbation, self.iteration)
+        with timed(m, "old_logprob"):
+            if self.need_old or calibrate:
+                local.old_logprobs = compute_logprobs(self.policy, local, routing=self.routing.old, **passes)
+        if calibrate:
+            with timed(m, "calibration"):
+                m.update(calibrate_sigma(self.policy, local, cfg.perturbation, iteration=self.iteration,
+                                         replay=self.routing.update.replay, **passes))
+            sigmas = gather_sigma_stats(self.policy_module)
+            if self.rank == 0:
+                say(calibration_line(m, sigmas, cfg.perturbation.calibration_target, self.iteration))
+        with timed(m, "ref_logprob"):
+            if self.reference is not None:
+                local.ref_logprobs = compute_logprobs(self.reference, local, routing=self.routing.ref, **passes)
+
+    def _update(self, local, sizes: list[int]) -> tuple[list[dict], list[dict]]:
+        """One optimizer step per mini-batch; each step's stats and its reduced loss metrics."""
+        cfg = self.cfg
+        step_stats, loss_metrics = [], []
+        for mini in mini_batches(local, sizes):
+            metrics = StepMetrics()
+            step_stats.append(train_mini_batch(
+                self.policy, self.optimizer, mini, loss_cfg=cfg.loss, step=self.step,
+                batching=Batching.for_update(cfg.trainer), temperature=cfg.rollout.sampling.temperature,
+                pad_id=self.pad_id, metrics=metrics, fused=cfg.trainer.fused_linear_logprobs,
+                routing=self.routing.update))
+            self.scheduler.step(1)
+            self.step += 1
+            loss_metrics.append(metrics.reduce(ps.get_data_parallel_group()) if ps.is_pipeline_last_stage() else {})
+        return step_stats, loss_metrics
+
+    def _dump_token_probs(self, local) -> None:
+        """Train (old, unperturbed) vs rollout token probabilities, from the rank that has both."""
+        n = self.cfg.trainer.token_prob_samples
+        if not n or local.old_logprobs is None or not ps.is_pipeline_last_stage():
+            return
+        if ps.get_data_parallel_rank() != 0 or ps.get_tensor_model_parallel_rank() != 0:
+            return
+        keep = local.loss_mask > 0
+        train = local.old_logprobs[keep].exp().numpy()
+        rollout = local.rollout_logprobs[keep].exp().numpy()
+        if len(train) > n:
+            idx = np.random.default_rng(self.iteration).choice(len(train), n, replace=False)
+            train, rollout = train[idx], rollout[idx]
+        save_token_probs(self.run_dir, self.iteration, train, rollout)
+
+    def validate(self) -> dict:
+        """``val/*`` metrics of the current policy on ``data.val_files`` (rank 0; {} elsewhere), with
+        the same sample seeds at every evaluation (see :class:`~megatron_alp.batches.evaluation.Validation`)."""
+        if self._validation is None:
+            self._validation = Validation(self.cfg, self.tokenizer, self.rollout.max_model_len,
+                                          log=say if self.rank == 0 else lambda msg: None)
+        t0 = time.time()
+        self.rollout.wake_up()
+        out = self._validation.run(self.rollout, seed=sample_seed(self.cfg, VALIDATION_STREAM),
+                                   reward_fn=self.reward_fn, tokenizer=self.tokenizer, executor=self.executor)
+        self.rollout.sleep()
+        self.rollout.take_stats()  # validation rollouts stay out of the next iteration's rollout/* metrics
+        out["timing/val_s"] = time.time() - t0
+        return out
+
+    def _plot(self) -> None:
+        """Redraw the diagnostic figures (rank 0) whenever a checkpoint lands."""
+        if self.rank != 0:
+            return
+        try:
+            make_plots([self.run_dir], log=lambda msg: None)
+        except Exception as err:  # a figure must never take the run down
+            say(f"plot: skipped ({err})")
+
+    # ------------------------------------------------------------------------------- checkpoints
+
+    def save(self) -> None:
+        extra = {"iteration": self.iteration, "step": self.step, "sampler": self.batches.resume_state(),
+                 "policy_version": self.rollout.version}
+        save_checkpoint(checkpoint_dir(self.run_dir, self.iteration), self.policy_module, optimizer=self.optimizer,
+                        opt_param_scheduler=self.scheduler, extra=extra, hf_dir=self.model_dir,
+                        before_commit=kill_during_save)
+        if self.rank == 0:
+            prune_checkpoints(self.run_dir, self.cfg.trainer.keep_checkpoints)
+        dist.barrier()
+
+    def close(self) -> None:
+        if self.logger is not None:
+            self.logger.close()
+        if self.rollout is not None:
+            self.rollout.shutdown()
+        if self.executor is not None:
+            self.executor.close()
+        destroy_distributed()

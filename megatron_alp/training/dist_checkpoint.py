@@ -1,0 +1,325 @@
+"""Megatron distributed checkpoints (``torch_dist``), written atomically.
+
+A checkpoint directory holds Megatron's ``dist_checkpointing`` files (layout-independent: it loads
+under any TP/PP/EP layout), ``extra.pt`` (trainer state such as the data position), ``hf/`` with
+the tokenizer and generation files of the HF model it came from, and ``megatron_alp.json``: the
+format, the layout it was written with, the HF config (its only copy) and the ALP perturbation
+settings, so the export to HF needs nothing but the checkpoint. Every file is written into
+``<dir>.tmp-XXXX`` and the folder is renamed only when all ranks are done, so a crash mid-save
+never leaves a folder that looks complete; :func:`latest_checkpoint` only considers folders with
+the metadata file.
+
+ALP sigmas are saved under one key per global layer (``decoder.layers.{i}.alp_perturbation
+.log_sigma``), not in Megatron's layer-stacked form, because only the selected layers have one: a
+stacked tensor with holes cannot be written, and per-layer keys make sigma i land on layer i
+under any pipeline split.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core.utils import unwrap_model
+
+from megatron_alp.models.families import load_hf_config
+from megatron_alp.models.hf_weights import check_model_matches, copy_hf_side_files, global_name, make_tmp_dir
+from megatron_alp.models.weight_mapping import is_sigma
+from megatron_alp.training.perturbation import controller_of
+
+META_FILE = "megatron_alp.json"
+EXTRA_FILE = "extra.pt"
+HF_SUBDIR = "hf"
+FORMAT = "megatron-alp/dist-checkpoint/1"
+# The distributed optimizer's state in a layout-independent form (reshardable over TP/PP/DP).
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def model_sharded_state_dict(model) -> dict:
+    """``model.sharded_state_dict()`` with ALP sigmas under per-global-layer keys."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    model = unwrap_model(model)
+    sd = model.sharded_state_dict()
+    for key, value in list(sd.items()):
+        if is_sigma(key) and isinstance(value, ShardedTensor):
+            sd[key] = ShardedTensor.from_rank_offsets(
+                global_name(key, model), value.data, replica_id=value.replica_id
+            )
+    return sd
+
+
+def _in_process_write_queue() -> None:
+    """Megatron's ``torch_dist`` writer reports results through a queue that it creates, on first
+    use, in a *spawned* multiprocessing Manager: meant for asynchronous saves, it re-imports the
+    caller's ``__main__`` (hanging scripts without a main guard) and costs a process start. Saves
+    here are synchronous, so the writer runs in this process and a plain queue serves."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
+def check_optimizer_groups(optimizer) -> None:
+    """Megatron matches checkpointed optimizer param groups to the live ones by the identifier
+    (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr); two groups sharing one would be
+    restored with each other's hyperparameters, so refuse them up front."""
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys
+
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        seen: dict = {}
+        for i, group in enumerate(sub.param_groups):
+            key = tuple(group.get(k) for k in param_group_identifier_keys)
+            if key in seen:
+                raise ValueError(
+                    f"optimizer param groups {seen[key]} and {i} share Megatron's group identifier "
+                    f"{dict(zip(param_group_identifier_keys, key))}; a checkpoint cannot tell them apart "
+                    "(give one of them a distinct value, e.g. `is_decoupled_lr`)"
+                )
+            seen[key] = i
+
+
+def _prepare_optimizer_for_load(optimizer) -> None:
+    """Building the checkpoint state dict of Megatron-Core 0.16's DistributedOptimizer reads
+    ``step`` from every parameter's state when neither Apex nor TE is installed (torch's AdamW
+    keeps a per-parameter ``step``, their fused Adams do not); an optimizer that has not stepped
+    yet lacks it, so give it zero state (the load overwrites it). The loading side of the same gap
+    is a shim in :mod:`megatron_alp.runtime.platform`; the restored ``step`` is shared by all parameters,
+    see :func:`_unshare_optimizer_steps`."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(sub, distrib_optimizer.DistributedOptimizer) and not sub.optimizer.state and sub.init_state_fn:
+            sub.init_state_fn(sub.optimizer, sub.config)
+            for state in sub.optimizer.state.values():
+                state.setdefault("step", torch.tensor(0.0))
+
+
+def _unshare_optimizer_steps(optimizer) -> None:
+    """Give every parameter its own ``step`` tensor after a load (see above)."""
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", None)
+        for state in getattr(inner, "state", {}).values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _shared_tmp_dir(final: Path) -> Path:
+    """A fresh ``<final>.tmp-XXXX`` created by rank 0, its name shared with every rank."""
+    name = [None]
+    if _rank() == 0:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        name[0] = make_tmp_dir(final)
+    if dist.is_initialized():
+        dist.broadcast_object_list(name, src=0)
+    return Path(name[0])
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str))
+    os.replace(tmp, path)
+
+
+def commit_dir(tmp: Path, final: Path) -> None:
+    """Replace ``final`` by ``tmp`` (a previous ``final`` is moved aside first, then deleted)."""
+    old = None
+    if final.exists():
+        old = Path(tempfile.mkdtemp(prefix=final.name + ".old-", dir=final.parent))
+        os.replace(final, old / final.name)
+    os.replace(tmp, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _layout(model) -> dict:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+        "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
+        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+    }
+
+
+def _perturbation(model) -> Optional[dict]:
+    c = controller_of(model)
+    return None if c is None else c.cfg.model_dump()
+
+
+def save_checkpoint(
+    ckpt_dir,
+    model,
+    *,
+    optimizer=None,
+    opt_param_scheduler=None,
+    extra: dict | None = None,
+    hf_config: dict | None = None,
+    hf_dir=None,
+    before_commit: Callable[[Path], None] | None = None,
+) -> None:
+    """Save ``model`` (and optionally the Megatron optimizer and LR scheduler) to ``ckpt_dir``.
+
+    Collective over all ranks. ``extra`` (rank 0's copy) comes back from :func:`load_checkpoint`.
+    ``hf_dir``: the HF model directory the model was built from; its tokenizer and generation
+    files go to ``hf/`` and its ``config.json`` into the metadata (``hf_config`` given instead
+    takes precedence), so the checkpoint exports to a loadable HF directory on its own.
+    ``before_commit(tmp_dir)`` runs on every rank once all files are written, before the rename
+    (for adding files, or for fault-injection tests). An existing ``ckpt_dir`` is replaced.
+    """
+    from megatron.core import dist_checkpointing
+
+    model = unwrap_model(model)
+    if hf_config is None and hf_dir is not None:
+        hf_config = load_hf_config(hf_dir)  # on every rank: a bad hf_dir fails them all, before any collective
+    final = Path(ckpt_dir).absolute()
+    tmp = _shared_tmp_dir(final)
+    try:
+        state = {"model": model_sharded_state_dict(model)}
+        if optimizer is not None:
+            check_optimizer_groups(optimizer)
+            state["optimizer"] = optimizer.sharded_state_dict(
+                state["model"], is_loading=False, metadata=OPTIMIZER_METADATA
+            )
+        if opt_param_scheduler is not None:
+            state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
+        _in_process_write_queue()
+        dist_checkpointing.save(state, str(tmp))
+        if _rank() == 0:
+            torch.save(extra or {}, tmp / EXTRA_FILE)
+            if hf_dir is not None:
+                copy_hf_side_files(hf_dir, tmp / HF_SUBDIR)
+            meta = {
+                "format": FORMAT,
+                "saved_at": time.time(),
+                "layout": _layout(model),
+                "dtype": str(model.config.params_dtype).removeprefix("torch."),
+                "hf_config": hf_config,
+                "perturbation": _perturbation(model),
+                "has_optimizer": optimizer is not None,
+                "has_scheduler": opt_param_scheduler is not None,
+                "extra": {k: v for k, v in (extra or {}).items() if isinstance(v, (int, float, str, bool))},
+            }
+            write_json_atomic(tmp / META_FILE, meta)
+        _barrier()
+        if before_commit is not None:
+            before_commit(tmp)
+        _barrier()
+        if _rank() == 0:
+            commit_dir(tmp, final)
+        _barrier()
+    except BaseException:
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def read_metadata(ckpt_dir) -> dict:
+    """The ``megatron_alp.json`` of a complete checkpoint; a clear error otherwise."""
+    ckpt = Path(ckpt_dir)
+    if not ckpt.is_dir():
+        raise FileNotFoundError(f"{ckpt}: no such checkpoint directory")
+    meta_file = ckpt / META_FILE
+    if not meta_file.is_file() or not (ckpt / "metadata.json").is_file():
+        raise FileNotFoundError(
+            f"{ckpt}: not a complete megatron-alp checkpoint ({META_FILE} or Megatron's metadata.json missing)"
+        )
+    meta = json.loads(meta_file.read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{meta_file}: unknown checkpoint format {meta.get('format')!r} (expected {FORMAT})")
+    return meta
+
+
+def load_checkpoint(ckpt_dir, model, *, optimizer=None, opt_param_scheduler=None, strict=True) -> dict:
+    """Load a checkpoint into ``model`` (any TP/PP/EP layout); returns the saved ``extra`` dict.
+
+    ``strict``: every model parameter must be in the checkpoint and every checkpointed model
+    tensor must be used. ALP sigmas are exempt both ways: a checkpoint without them (converted
+    from HF, or trained without ALP) leaves the model's initial sigmas, and a model without
+    perturbation ignores the checkpoint's.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    model = unwrap_model(model)
+    ckpt = Path(ckpt_dir)
+    meta = read_metadata(ckpt)
+    if meta.get("hf_config"):
+        check_model_matches(model, meta["hf_config"], f"{ckpt / META_FILE} (hf_config)")
+    state = {"model": model_sharded_state_dict(model)}
+    if optimizer is not None:
+        if not meta.get("has_optimizer"):
+            raise ValueError(f"{ckpt}: holds no optimizer state (saved without an optimizer)")
+        check_optimizer_groups(optimizer)
+        _prepare_optimizer_for_load(optimizer)
+        state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=True, metadata=OPTIMIZER_METADATA)
+    if opt_param_scheduler is not None:
+        if not meta.get("has_scheduler"):
+            raise ValueError(f"{ckpt}: holds no learning-rate scheduler state")
+        state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
+    loaded, ckpt_only, model_only = dist_checkpointing.load(state, str(ckpt), strict=StrictHandling.RETURN_ALL)
+    missing_sigmas = sorted(k for k in model_only if is_sigma(k))
+    if missing_sigmas and any(is_sigma(k) for k in ckpt_only) and _rank() == 0:
+        logging.getLogger(__name__).warning(
+            "%s: ALP sigmas were saved for other layers than the model perturbs; %s keep their initial value",
+            ckpt, ", ".join(missing_sigmas),
+        )
+    if strict:
+        absent = sorted(k for k in model_only if not is_sigma(k))
+        unused = sorted(k for k in ckpt_only if not is_sigma(k) and not k.startswith("optimizer."))
+        if absent:
+            raise ValueError(f"{ckpt}: has no tensor {absent[0]} for the model ({len(absent)} missing)")
+        if unused:
+            raise ValueError(f"{ckpt}: tensor {unused[0]} has no place in the model ({len(unused)} unused)")
+    result = model.load_state_dict(loaded["model"], strict=False)
+    if strict:
+        left = [k for k in result.missing_keys if not is_sigma(k) and not k.endswith("_extra_state")]
+        if left:
+            raise ValueError(f"{ckpt}: no value for model parameter {left[0]}")
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+        _unshare_optimizer_steps(optimizer)
+    if opt_param_scheduler is not None:
+        opt_param_scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    extra_file = ckpt / EXTRA_FILE
+    return torch.load(extra_file, weights_only=False) if extra_file.is_file() else {}
+
+
+def latest_checkpoint(run_dir) -> Optional[Path]:
+    """The newest complete checkpoint under ``run_dir/checkpoints/`` (None if there is none)."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return None
+    best, best_key = None, None
+    for d in root.iterdir():
+        if not d.is_dir() or ".tmp-" in d.name or ".old-" in d.name:
+            continue
+        try:
+            meta = read_metadata(d)
+        except (FileNotFoundError, ValueError, json.JSONDecodeError):
+            continue
+        key = (meta["extra"].get("iteration", -1), meta["extra"].get("step", -1), meta.get("saved_at", 0.0))
+        if best_key is None or key > best_key:
+            best, best_key = d, key
+    return best
