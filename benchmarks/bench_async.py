@@ -57,7 +57,8 @@ def train(config: Path, run_dir: Path, base: Path | None, loss: str, overrides: 
                           preexec_fn=lambda: os.sched_setaffinity(0, {args.trainer_core}))
     if proc.returncode != 0:
         raise SystemExit(f"{run_dir.name} failed (rc={proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["iteration"] >= 0]  # iteration -1: the base model's validation
 
 
 def median(rows: list[dict], key: str) -> float:

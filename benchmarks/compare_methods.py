@@ -52,7 +52,8 @@ def run_method(method: str, run_dir: Path, base: Path | None, args) -> list[dict
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{method} failed (rc={proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["iteration"] >= 0]  # iteration -1: the base model's validation
 
 
 def summarize(rows: list[dict]) -> dict:

@@ -1,4 +1,4 @@
-"""``megatron-alp convert {hf-to-mcore,mcore-to-hf,reshard,verify}``.
+"""``megatron-alp convert {hf-to-mcore,mcore-to-hf,reshard,quantize,verify}``.
 
 Each action runs on as many ranks as its layout needs (``--tp``, ``--pp``, ``--ep``). Started
 plainly, a command that needs more than one rank launches itself through
@@ -8,6 +8,8 @@ missing shard or a layout that does not divide the model fails at once with the 
 named. Outputs are written to ``<out>.tmp-XXXX`` and renamed when complete; a failed run leaves
 no ``<out>``. Checkpoints record their HF config and tokenizer (trainer checkpoints and converted
 ones alike), so the export needs no other input; ``--hf-ref`` supplies them for older checkpoints.
+Library output goes to ``<out>.convert.log`` (verify: ``<mcore>.verify.log``); the terminal gets
+errors and one line saying what was written where.
 
 Examples::
 
@@ -15,6 +17,8 @@ Examples::
     megatron-alp convert mcore-to-hf --mcore runs/x/checkpoints/iter_0000100 --out hf_out
     megatron-alp convert reshard --mcore ckpt/qwen7b --out ckpt/qwen7b_pp2 --tp 1 --pp 2
     megatron-alp convert verify --hf Qwen2.5-7B --mcore ckpt/qwen7b --tp 2
+    megatron-alp convert quantize --mcore runs/x/checkpoints/iter_0000100 --out qwen7b_fp8 --format fp8 \
+        --calib data/train.parquet
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import sys
 from pathlib import Path
 
 import checkpoint_tools
+from megatron_alp.runtime.console import held_warnings, library_output_to, say, say_error
 from megatron_alp.runtime.parallel import free_port
 
 BAD_INPUT = (ValueError, FileNotFoundError, FileExistsError, KeyError)
@@ -71,6 +76,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-ref", default=None,
                    help="HF model directory whose config and tokenizer to carry instead of the checkpoint's")
     _layout_args(p)
+    p = sub.add_parser("quantize", help="HF directory or Megatron checkpoint -> FP8 or NVFP4 checkpoint that vLLM "
+                       "and SGLang load (nvidia-modelopt)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--hf", help="HF model directory")
+    source.add_argument("--mcore", help="megatron-alp checkpoint (e.g. RUN/checkpoints/iter_N)")
+    p.add_argument("--out", required=True, help="HF directory to create")
+    p.add_argument("--format", choices=["fp8", "nvfp4"], default="fp8", help="quantized format (default fp8)")
+    p.add_argument("--calib", required=True, help="data file in the training format (.jsonl or .parquet) whose "
+                   "prompts and answers calibrate the activation scales")
+    p.add_argument("--calib-samples", type=int, default=128, help="rows of --calib to calibrate on (default 128)")
+    p.add_argument("--calib-length", type=int, default=1024, help="tokens per calibration sample at most (default 1024)")
+    p.set_defaults(tp=1, pp=1, ep=1, layer_spec="auto")
     p = sub.add_parser("verify", help="compare HF and Megatron logits on a fixed batch")
     p.add_argument("--hf", required=True, help="HF model directory")
     p.add_argument("--mcore", required=True, help="Megatron checkpoint directory")
@@ -79,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _hf_config_of(args) -> dict:
-    if args.action == "hf-to-mcore":
+    if args.action == "hf-to-mcore" or (args.action == "quantize" and args.hf):
         from megatron_alp.models.hf_weights import open_hf_checkpoint
 
         return open_hf_checkpoint(args.hf)[0]
@@ -89,7 +106,24 @@ def _hf_config_of(args) -> dict:
 
         read_metadata(args.mcore)
         return load_hf_config(args.hf)
-    return checkpoint_tools.hf_source(args.mcore, args.hf_ref, need_tokenizer=args.action == "mcore-to-hf")[0]
+    from megatron_alp.training.export import hf_source
+
+    return hf_source(args.mcore, getattr(args, "hf_ref", None),
+                     need_tokenizer=args.action in ("mcore-to-hf", "quantize"))[0]
+
+
+def check_quantize(args) -> None:
+    """What ``quantize`` needs beyond a model: modelopt, and calibration rows."""
+    import importlib.util
+
+    from megatron_alp.data.prompts import prompt_rows
+
+    if importlib.util.find_spec("modelopt") is None:
+        raise ValueError("convert quantize needs nvidia-modelopt: pip install nvidia-modelopt")
+    for key in ("calib_samples", "calib_length"):
+        if getattr(args, key) < 1:
+            raise ValueError(f"--{key.replace('_', '-')} must be >= 1 (got {getattr(args, key)})")
+    prompt_rows(args.calib)
 
 
 def check(args):
@@ -103,6 +137,8 @@ def check(args):
     if out is not None and Path(out).exists():
         raise FileExistsError(f"--out {out} already exists; choose a new directory")
     margs = hf_to_megatron(_hf_config_of(args))
+    if args.action == "quantize":
+        check_quantize(args)
     from megatron_alp.training.builder import check_parallel_layout  # imports Megatron: after the cheap checks
 
     parallel = checkpoint_tools.parallel_config(args.tp, args.pp, args.ep, moe="num_moe_experts" in margs.transformer)
@@ -124,6 +160,11 @@ def _execute(args, parallel) -> None:
         from checkpoint_tools.reshard import reshard
 
         reshard(args.mcore, args.out, parallel, hf_ref=args.hf_ref, layer_spec=args.layer_spec)
+    elif args.action == "quantize":
+        from checkpoint_tools.quantize import quantize
+
+        quantize(args.mcore or args.hf, args.out, args.format, args.calib, samples=args.calib_samples,
+                 max_length=args.calib_length, megatron=bool(args.mcore), log=say)
     else:
         from checkpoint_tools.verify import verify
 
@@ -132,6 +173,12 @@ def _execute(args, parallel) -> None:
 
 def _under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def log_path(args) -> Path:
+    """Where the action's library output goes: beside what it writes (or checks)."""
+    target = Path(args.out if getattr(args, "out", None) else args.mcore).absolute()
+    return target.with_name(f"{target.name}.{'verify' if args.action == 'verify' else 'convert'}.log")
 
 
 def _launch(args, nproc: int) -> int:
@@ -148,8 +195,8 @@ def _launch(args, nproc: int) -> int:
         out = Path(out).absolute()
         for tmp in out.parent.glob(out.name + ".tmp-*"):
             shutil.rmtree(tmp, ignore_errors=True)
-        print(f"megatron-alp convert {args.action}: failed on one of {nproc} ranks (see above); "
-              f"nothing was written to {out}", file=sys.stderr)
+        say_error(f"megatron-alp convert {args.action}: failed on one of {nproc} ranks (see {log_path(args)}); "
+                  f"nothing was written to {out}")
     return rc
 
 
@@ -157,25 +204,32 @@ def _fail(args, err: BaseException) -> int:
     rank = os.environ.get("RANK")
     where = f" (rank {rank})" if rank is not None else ""
     msg = err.args[0] if isinstance(err, KeyError) and err.args else err
-    print(f"megatron-alp convert {args.action}: error{where}: {msg}", file=sys.stderr, flush=True)
+    say_error(f"megatron-alp convert {args.action}: error{where}: {msg}")
     return 2
 
 
 def _run_here(args, parallel) -> int:
+    """The action on this rank, its library output in the log; rank 0 says what it wrote."""
     from megatron_alp.runtime.parallel import destroy_distributed
 
-    try:
-        _execute(args, parallel)
-    except BAD_INPUT as err:
-        return _fail(args, err)
-    finally:
-        destroy_distributed()
+    with library_output_to(log_path(args)):
+        try:
+            _execute(args, parallel)
+        except BAD_INPUT as err:
+            return _fail(args, err)
+        finally:
+            destroy_distributed()
+    if int(os.environ.get("RANK", "0")) == 0 and getattr(args, "out", None):
+        files = [f for f in Path(args.out).rglob("*") if f.is_file()]
+        say(f"megatron-alp convert {args.action}: wrote {args.out} ({len(files)} files, "
+            f"{sum(f.stat().st_size for f in files) / 2**20:.1f} MiB); library output in {log_path(args)}")
     return 0
 
 
 def run(args) -> int:
     try:
-        parallel = check(args)
+        with held_warnings():  # the libraries' import-time warnings belong in the log
+            parallel = check(args)
     except BAD_INPUT as err:
         return _fail(args, err)
     nproc = checkpoint_tools.world_size(args.tp, args.pp, args.ep)
@@ -189,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--job"]:  # a rank started by _launch
         args = argparse.Namespace(**json.loads(argv[1]))
         try:
-            parallel = check_for_worker(args)
+            with held_warnings():
+                parallel = check_for_worker(args)
         except BAD_INPUT as err:
             return _fail(args, err)
         return _run_here(args, parallel)

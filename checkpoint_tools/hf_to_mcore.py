@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from checkpoint_tools import build_model, dtype_name
+from checkpoint_tools import dtype_name
+from megatron_alp.training.export import weightless_model
 
 
 def convert(hf_dir, out_dir, parallel, *, layer_spec: str = "auto", dtype: Optional[str] = None) -> None:
@@ -24,7 +25,7 @@ def convert(hf_dir, out_dir, parallel, *, layer_spec: str = "auto", dtype: Optio
     hf_config, _, ckpt = open_hf_checkpoint(hf_dir)
     dtype = dtype or dtype_name(ckpt.dtype())
     init_distributed(parallel)
-    model = build_model(hf_config, parallel, dtype, layer_spec, source=str(hf_dir))
+    model = weightless_model(hf_config, parallel, dtype, layer_spec, source=str(hf_dir))
     load_hf_weights(model, hf_dir)
     save_checkpoint(out_dir, model, hf_config=hf_config, hf_dir=hf_dir,
                     extra={"converted_from": str(hf_dir.resolve())})

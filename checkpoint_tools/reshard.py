@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from checkpoint_tools import build_model, hf_source
+from megatron_alp.training.export import hf_source, weightless_model
 
 
 def reshard(mcore_dir, out_dir, parallel, *, hf_ref: Optional[str] = None, layer_spec: str = "auto") -> None:
@@ -25,6 +25,6 @@ def reshard(mcore_dir, out_dir, parallel, *, hf_ref: Optional[str] = None, layer
     hf_config, hf_files = hf_source(mcore_dir, hf_ref, need_tokenizer=False)
     pert = PerturbationConfig(**meta["perturbation"]) if meta.get("perturbation") else None
     init_distributed(parallel)
-    model = build_model(hf_config, parallel, meta["dtype"], layer_spec, source=str(mcore_dir), perturbation=pert)
+    model = weightless_model(hf_config, parallel, meta["dtype"], layer_spec, source=str(mcore_dir), perturbation=pert)
     extra = load_checkpoint(mcore_dir, model)
     save_checkpoint(out_dir, model, extra=extra, hf_config=hf_config, hf_dir=hf_files)

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import torch
 
-from checkpoint_tools import build_model
 from megatron_alp.runtime.comm import comm_device
+from megatron_alp.runtime.console import say
 from megatron_alp.runtime.platform import device
+from megatron_alp.training.export import weightless_model
 
 DEFAULT_TOL = 1e-4
 
@@ -70,7 +71,7 @@ def verify(hf_dir, mcore_dir, parallel, *, layer_spec: str = "auto", tol: float 
     hf_config = load_hf_config(hf_dir)
     read_metadata(mcore_dir)
     init_distributed(parallel)
-    model = build_model(hf_config, parallel, "float32", layer_spec, source=str(mcore_dir))
+    model = weightless_model(hf_config, parallel, "float32", layer_spec, source=str(mcore_dir))
     load_checkpoint(mcore_dir, model)
     tokens = fixed_batch(int(hf_config["vocab_size"]))
     logits = megatron_logits(model, tokens)
@@ -83,8 +84,8 @@ def verify(hf_dir, mcore_dir, parallel, *, layer_spec: str = "auto", tol: float 
     value = diff.item()
     if not dist.is_initialized() or dist.get_rank() == 0:
         ok = value <= tol
-        print(f"verify {Path(hf_dir)} vs {Path(mcore_dir)}: max |logit diff| = {value:.3e} "
-              f"on {tuple(tokens.shape)} tokens ({'OK' if ok else 'FAILED'}, tolerance {tol:g})", flush=True)
+        say(f"verify {Path(hf_dir)} vs {Path(mcore_dir)}: max |logit diff| = {value:.3e} "
+            f"on {tuple(tokens.shape)} tokens ({'OK' if ok else 'FAILED'}, tolerance {tol:g})")
     if value > tol:
         raise ValueError(f"max |logit diff| {value:.3e} exceeds the tolerance {tol:g}")
     return value

@@ -4,9 +4,10 @@ follow from other keys set.
 The schema (:mod:`megatron_alp.config`) checks each key and each section on its own. Resolving
 adds what needs the registries, which sit above the schema: a key that names a registry member
 (``json_schema_extra={"registry": ...}`` in the schema: ``loss.name``, ``rollout.engine`` and its
-``sync_method``, ``model.tiny``, ``reward.name``) must name one, the engine refuses what it cannot
-honour, and the derived defaults are set (``perturbation.enabled`` from the loss, the loss's clip
-range, the distributed optimizer for half-precision ALP, MoE routing, the TIR instruction).
+``sync_method``, ``model.tiny``, ``reward.name``, ``trainer.loggers``) must name one, the engine
+refuses what it cannot honour, a tracker needs its package, and the derived defaults are set
+(``perturbation.enabled`` from the loss, the loss's clip range, the distributed optimizer for
+half-precision ALP, MoE routing, the trackers, the TIR instruction).
 :func:`load_config` and :func:`config_from_dict` read and resolve; every command loads its config
 through them, and :class:`~megatron_alp.trainer.RLTrainer` refuses a config that was not resolved.
 """
@@ -21,10 +22,11 @@ from pydantic import BaseModel
 import megatron_alp.rollout  # noqa: F401  (registers the engines)
 from megatron_alp.algorithms.policy_loss import POLICY_LOSSES, get_policy_loss
 from megatron_alp.config import TIR_SYSTEM_PROMPT, Config, ConfigError, apply_overrides, validate_schema
-from megatron_alp.config.loading import format_errors, read_yaml
+from megatron_alp.config.loading import format_errors, override_keys, read_yaml
 from megatron_alp.models.families import FAMILIES
 from megatron_alp.rewards import REWARDS
 from megatron_alp.rollout.base import ENGINES
+from megatron_alp.runtime.trackers import TRACKERS, missing_package
 
 
 def _sync_methods() -> dict:
@@ -38,6 +40,7 @@ REGISTRIES: dict[str, tuple[str, Callable[[], dict]]] = {
     "sync_method": ("weight sync method", _sync_methods),
     "family": ("model family", lambda: FAMILIES),
     "reward": ("reward", lambda: REWARDS),
+    "logger": ("tracker", lambda: TRACKERS),
 }
 
 
@@ -59,8 +62,9 @@ def _registry_errors(section: BaseModel, prefix: str) -> list[tuple[str, str, An
         if registry is None or value is None:
             continue
         what, members = REGISTRIES[registry]
-        if value not in members():
-            errors.append((f"{prefix}{name}", f"unknown {what} {value!r}; expected one of {sorted(members())}", value))
+        for item in value if isinstance(value, list) else [value]:
+            if item not in members():
+                errors.append((f"{prefix}{name}", f"unknown {what} {item!r}; expected one of {sorted(members())}", item))
     return errors
 
 
@@ -117,6 +121,22 @@ def _moe(cfg: Config) -> None:
                          "false turns off: remove that key, or choose moe.routing_replay r2 or none")
 
 
+def _trackers(cfg: Config) -> None:
+    """``trainer.loggers`` with what the older keys ask (``tensorboard: false``, a ``wandb_project``),
+    each tracker's package installed."""
+    t = cfg.trainer
+    loggers = [name for name in t.loggers if t.tensorboard or name != "tensorboard"]
+    if t.wandb_project and "wandb" not in loggers:
+        loggers.append("wandb")
+    if "wandb" in loggers and not t.wandb_project:
+        raise ValueError("trainer.loggers lists wandb, which needs trainer.wandb_project (the W&B project name)")
+    for name in loggers:
+        pip = missing_package(name)
+        if pip:
+            raise ValueError(f"trainer.loggers lists {name}, whose package is not installed: {pip}")
+    t.loggers = list(dict.fromkeys(loggers))
+
+
 def _tir_instruction(cfg: Config) -> None:
     """TIR runs default to the instruction that describes the interpreter."""
     if cfg.tir.enabled and "system_prompt" not in cfg.data.model_fields_set:
@@ -139,6 +159,7 @@ def resolve(cfg: Config, source: str = "<dict>") -> Config:
         _distributed_optimizer(cfg)
         cfg.loss.clip_low, cfg.loss.clip_high = get_policy_loss(cfg.loss.name).clip_range(cfg.loss)
         _moe(cfg)
+        _trackers(cfg)
         _tir_instruction(cfg)
     except ValueError as err:
         raise ConfigError(format_errors([("<top level>", str(err), ...)], source)) from None
@@ -146,11 +167,13 @@ def resolve(cfg: Config, source: str = "<dict>") -> Config:
     return cfg
 
 
-def config_from_dict(data: dict, source: str = "<dict>") -> Config:
-    """A raw config dict, schema-validated and resolved (:class:`ConfigError` naming each key)."""
-    return resolve(validate_schema(data, source), source)
+def config_from_dict(data: dict, source: str = "<dict>", overridden: frozenset[str] = frozenset()) -> Config:
+    """A raw config dict, schema-validated and resolved (:class:`ConfigError` naming each key;
+    ``overridden``: the keys that came from command-line overrides)."""
+    return resolve(validate_schema(data, source, overridden), source)
 
 
 def load_config(path: str | Path, overrides: Optional[list[str]] = None) -> Config:
     """A YAML config file with ``KEY=VALUE`` overrides, schema-validated and resolved."""
-    return config_from_dict(apply_overrides(read_yaml(path), overrides or []), str(path))
+    overrides = overrides or []
+    return config_from_dict(apply_overrides(read_yaml(path), overrides), str(path), override_keys(overrides))

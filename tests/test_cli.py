@@ -45,3 +45,12 @@ def test_bad_input_is_one_message_and_exit_2(args, names):
 def test_debug_shows_the_traceback():
     proc = cli("--debug", "train", "configs/quickstart_cpu.yaml", "loss.name=ppo")
     assert proc.returncode != 0 and "Traceback" in proc.stderr and "ConfigError" in proc.stderr
+
+
+def test_make_tiny_is_quiet_and_says_what_it_wrote(tmp_path):
+    out = tmp_path / "tiny"
+    proc = cli("make-tiny", "qwen3", str(out))
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-2000:]
+    log = tmp_path / "tiny.log"
+    assert proc.stdout.splitlines() == [f"wrote a tiny qwen3 model and its tokenizer to {out} (library output in {log})"]
+    assert (out / "config.json").is_file() and "Writing model shards" in log.read_text()

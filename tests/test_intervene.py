@@ -196,7 +196,7 @@ def test_zero_learning_rate_changes_nothing_and_writes_outputs(tmp_path, tiny, c
             assert arm["after"] == arm["before"]
             assert arm["shift"]["kl_k3"] == 0.0 and arm["shift"]["abs_log_ratio"]["max"] == 0.0
     printed = capfd.readouterr().out
-    assert "alp_token narrower than alp_token@0 in 0 of" in printed and "p [0.99, 1]" in printed
+    assert "alp_token narrower than alp_token@0 (by more than 1%) in 0 of" in printed and "p [0.99, 1]" in printed
     assert f"written: {out / 'intervene.json'}" in printed
 
 

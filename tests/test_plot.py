@@ -9,7 +9,15 @@ import numpy as np
 import pytest
 
 from megatron_alp.cli import main as cli_main
-from megatron_alp.diagnostics.figures import Run, draw_curve, make_plots, pearson_r
+from megatron_alp.diagnostics.figures import (
+    Run,
+    draw_curve,
+    draw_ratio_envelope,
+    draw_sigma,
+    make_plots,
+    pearson_r,
+    probability_scatter,
+)
 
 LAYERS = 4
 
@@ -41,7 +49,9 @@ def write_run(run_dir, iterations=30, *, sigma=True, ratios=True, token_probs=(1
         if (it + 1) % 10 == 0:
             rec.update({"val/reward_mean": 0.1 + 0.01 * it, "val/pass@1": 0.1 + 0.01 * it, "val/pass@4": 0.3})
         lines.append(json.dumps(rec))
+    lines.insert(0, json.dumps({"iteration": -1, "step": 0, "val/reward_mean": 0.05, "val/pass@4": 0.1}))  # base model
     lines.append('{"iteration": 30, "step": 4')  # a line cut short by a kill
+    (run_dir / "config.yaml").write_text("eval: {k: 4}\n")
     (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     for it in token_probs:
         rollout = rng.random(5000)
@@ -60,7 +70,7 @@ def test_all_figures_written(tmp_path, capsys):
     run = write_run(tmp_path / "alp")
     assert cli_main(["plot", str(run), "--iteration", "10"]) == 0
     out = capsys.readouterr().out
-    expected = ["reward", "ratio_envelope", "mismatch_kl", "entropy", "grad_norm", "response_length",
+    expected = ["reward", "ratio_envelope", "mismatch_kl", "mismatch_k1", "entropy", "grad_norm", "response_length",
                 "sigma_layers", "token_prob_scatter", "overview"]
     for name in expected:
         assert _is_png(run / "plots" / f"{name}.png"), name
@@ -91,30 +101,57 @@ def test_several_runs_are_overlaid(tmp_path):
 
 def test_series_and_sites(tmp_path):
     run = Run(write_run(tmp_path / "r", iterations=5))
-    assert run.x_key == "step" and run.bad_lines == 1
+    assert run.bad_lines == 1 and run.k == 4
     x, y = run.series("reward/mean")
-    assert list(x) == [16, 32, 48, 64, 80] and y[0] == pytest.approx(0.2)
+    assert list(x) == [0, 1, 2, 3, 4] and y[0] == pytest.approx(0.2)  # iterations, not optimizer steps
     assert run.sigma_sites() == [f"layer_{i:02d}" for i in range(LAYERS)]
     assert run.series("no/such/key") is None
     assert run.token_prob_file(None).name == "iter_000029.npz"
     assert run.token_prob_file(3) is None
 
 
+def _axes():
+    from matplotlib.figure import Figure
+
+    return Figure().subplots()
+
+
 def test_validation_is_drawn_in_the_reward_figure(tmp_path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots()
+    """Validation ran after its iteration: it is drawn at the iterations trained, from the base
+    model's at 0, so the curve shows the gain; the legend says average@k with the run's k."""
+    ax = _axes()
     assert draw_curve(ax, [Run(write_run(tmp_path / "r"))], "reward")
     lines = {line.get_label(): line for line in ax.get_lines()}
-    plt.close(fig)
-    assert set(lines) == {"train (rollouts)", "validation (average@k)"}
-    val = lines["validation (average@k)"]
-    assert list(val.get_xdata()) == [160, 320, 480] and list(val.get_ydata()) == pytest.approx([0.19, 0.29, 0.39])
+    assert set(lines) == {"train (rollouts)", "validation (average@4)"}
+    val = lines["validation (average@4)"]
+    assert list(val.get_xdata()) == [0, 10, 20, 30] and list(val.get_ydata()) == pytest.approx([0.05, 0.19, 0.29, 0.39])
     assert val.get_marker() == "o", "sparse validation points are marked"
-    assert len(lines["train (rollouts)"].get_xdata()) == 30 and lines["train (rollouts)"].get_marker() in ("None", None)
+    train = lines["train (rollouts)"]
+    assert list(train.get_xdata()) == list(range(30)) and train.get_marker() in ("None", None)
+    assert ax.get_xlabel().startswith("iteration")
+
+
+def test_figures_read_as_a_reader_would(tmp_path):
+    """KL k1 (noisy, possibly negative) has its own panel instead of flattening k3 and chi-square; a
+    log axis only where the values span a decade (else one tick would be left); every sigma line is
+    in the legend; the diagonal lies behind the token points."""
+    run = Run(write_run(tmp_path / "r"))
+    ax = _axes()
+    draw_curve(ax, [run], "mismatch_kl")
+    assert {line.get_label() for line in ax.get_lines()} == {"KL (k3)", "chi-square"}
+    ax = _axes()
+    draw_curve(ax, [run], "mismatch_k1")
+    assert ax.get_yscale() == "linear" and [line.get_label() for line in ax.get_lines()] == ["_child0"]
+    ax = _axes()
+    draw_ratio_envelope(ax, [run])  # ratios between 0.3 and 3.3: less than a decade
+    assert ax.get_yscale() == "linear"
+    ax = _axes()
+    draw_sigma(ax, run)
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [f"layer {i}" for i in range(LAYERS)]
+    ax = _axes()
+    probability_scatter(ax, np.linspace(0, 1, 50), np.linspace(0, 1, 50))
+    (diagonal,) = ax.get_lines()
+    assert diagonal.get_zorder() < ax.collections[0].get_zorder()
 
 
 def test_pearson_r():

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -23,6 +24,7 @@ QUICKSTART_TIR = ROOT / "configs" / "quickstart_tir_cpu.yaml"
 SMALL = [
     "trainer.progress_bar=false",
     "trainer.tensorboard=false",
+    "trainer.validate_base=false",
     "trainer.prompts_per_iteration=16",
     "trainer.updates_per_iteration=2",
 ]
@@ -78,9 +80,11 @@ def test_the_terminal_shows_only_our_lines(quickstart_run):
     """Engine and library chatter (vLLM INFO/WARNING, dtype warnings, Python warnings, C++ logs) goes
     to RUN_DIR/logs/engine.log; the terminal keeps the project's own lines (the bar is off here)."""
     terminal = (quickstart_run / "terminal.txt").read_text().splitlines()
-    ours = ("megatron-alp: ", "warm start: ", "iteration ")
+    ours = ("megatron-alp: ", "warm start: ", "rollout engine: ", "iteration ", "run finished in ", "wrote ")
     assert terminal and all(line.startswith(ours) for line in terminal), terminal
     assert sum(line.startswith("iteration ") for line in terminal) == 8
+    assert terminal[-2].startswith("run finished in ") and " iterations; reward " in terminal[-2]
+    assert terminal[-1].startswith("wrote checkpoints ") and "metrics.jsonl" in terminal[-1]
     log = (quickstart_run / "logs" / "engine.log").read_text()
     assert "Attempted to load weight" in log and "vllm" in log.lower() and "UserWarning" in log
 
@@ -267,24 +271,102 @@ def test_overlong_punishment_enters_the_reward(dynamic_sampling_run, tmp_path):
     assert "dynamic_sampling/rounds" not in r
 
 
+def test_ctrl_c_is_one_line_and_a_finished_run_says_so(tmp_path):
+    """Ctrl-C (SIGINT) during training: one line saying where the rerun resumes, no traceback, exit
+    130. Rerunning a finished run says it has nothing left to train. The validation curve starts at
+    the base model (iteration -1, drawn at 0), and a non-terminal gets one plain line per iteration."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "megatron_alp.cli", "train", str(QUICKSTART), f"trainer.output_dir={run}",
+           *[o for o in SMALL if "validate_base" not in o], "trainer.progress_bar=true", "trainer.iterations=4",
+           "trainer.save_interval=1", "trainer.sft_warmup_steps=20", "trainer.eval_interval=1", "eval.k=1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines = []
+    for line in proc.stdout:  # a pipe, not a terminal: plain lines instead of a redrawn bar
+        lines.append(line)
+        if line.startswith("iteration 1 of 4"):
+            os.killpg(proc.pid, signal.SIGINT)  # as Ctrl-C does: the whole foreground process group
+            break
+    out = "".join(lines) + proc.communicate(timeout=300)[0]
+    assert proc.returncode == 130, out[-3000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    assert re.fullmatch(r"interrupted at iteration 2; rerun the same command to resume from iter_000000[12]",
+                        out.strip().splitlines()[-1]), out[-3000:]
+    m = metrics(run)
+    assert m[0]["iteration"] == -1 and "val/reward_mean" in m[0] and "reward/mean" not in m[0]  # the base model
+    # the newest checkpoint holds at least one iteration, so a run of one is finished
+    done = subprocess.run([*cmd, "trainer.iterations=1"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and "has finished its trainer.iterations=1: nothing to train" in done.stdout, \
+        done.stdout
+
+
+def train_plainly(run_dir: Path, *overrides: str) -> tuple[int, str]:
+    """``megatron-alp train`` as the README starts it (torchrun adds its own report of a failed rank)."""
+    cmd = [sys.executable, "-m", "megatron_alp.cli", "train", str(QUICKSTART), f"trainer.output_dir={run_dir}",
+           *SMALL, *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def one_error_line(rc: int, out: str, lines: int = 1) -> str:
+    """What a refused start prints (exit 2): one line, or a configuration error's header and one
+    line per problem."""
+    assert rc == 2 and len(out.strip().splitlines()) == lines, out[-3000:]
+    assert out.startswith("megatron-alp train: error: "), out
+    return out.strip()
+
+
 def test_bad_inputs_fail_early_with_clear_errors(tmp_path):
-    rc, out = train(tmp_path / "r1", "data.train_files=[data/does_not_exist.jsonl]", "trainer.iterations=1")
-    assert rc != 0 and "does_not_exist.jsonl" in out
-    rc, out = train(tmp_path / "r2", "loss.nmae=grpo")
-    assert rc != 0 and "loss.nmae: unknown key" in out
-    rc, out = train(tmp_path / "r3", "trainer.prompts_per_iteration=3", "trainer.updates_per_iteration=5")
-    assert rc != 0 and "must split evenly" in out
-    # a run directory held by a live trainer (here: this process holds its lock) is refused
+    """Every input is checked before anything is created: one error line naming the key or the
+    file (file:line for a bad row), no traceback, and no run directory, lock, config or base model."""
+    rc, out = train_plainly(tmp_path / "r1", "data.train_files=[data/does_not_exist.jsonl]")
+    assert "does_not_exist.jsonl does not exist" in one_error_line(rc, out) and not (tmp_path / "r1").exists()
+    broken = tmp_path / "broken.jsonl"
+    lines = (ROOT / "data" / "largest" / "train.jsonl").read_text().splitlines()[:20]
+    broken.write_text("\n".join(lines[:6] + ['{"prompt": "cut sho'] + lines[6:]) + "\n")
+    rc, out = train_plainly(tmp_path / "r2", f"data.train_files=[{broken}]")
+    line = one_error_line(rc, out)
+    assert f"{broken}:7: bad row: expected one JSON object per line" in line and "data.skip_bad_rows" in line
+    assert not (tmp_path / "r2").exists()
+    (tmp_path / "file").write_text("not a directory")
+    line = one_error_line(*train_plainly(tmp_path / "file"))
+    assert "trainer.output_dir" in line and "is a file" in line
+    line = one_error_line(*train_plainly(tmp_path / "r3", "loss.nmae=grpo"), lines=2)
+    assert "loss.nmae (command-line override): unknown key; did you mean loss.name?" in line
+    line = one_error_line(*train_plainly(tmp_path / "r4", "trainer.prompts_per_iteration=3",
+                                         "trainer.updates_per_iteration=5"))
+    assert "must split evenly" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.jsonl", "file"]
+    # a run directory held by a live trainer (here: this process holds its lock) is refused, and the
+    # refused run writes nothing into it, not even a line of the running run's log
     import fcntl
 
-    busy = tmp_path / "r4"
+    busy = tmp_path / "r5"
     busy.mkdir()
     with open(busy / ".lock", "w") as lock:
         lock.write(str(os.getpid()))
         lock.flush()
         fcntl.lockf(lock, fcntl.LOCK_EX)
-        rc, out = train(busy)
-    assert rc != 0 and f"is in use by another training process (pid {os.getpid()})" in out, out[-3000:]
+        line = one_error_line(*train_plainly(busy))
+    assert f"is in use by another training process (pid {os.getpid()})" in line
+    assert sorted(p.name for p in busy.iterdir()) == [".lock"]
+
+
+def test_a_fresh_start_never_mixes_with_an_earlier_run(tmp_path):
+    """``trainer.resume=false`` in a directory an earlier run left checkpoints and metrics in is
+    refused (they would mix: before, the old metrics were cut and the new run's checkpoint pruned
+    by the old run's later ones); ``trainer.archive_previous=true`` moves them aside first."""
+    run = tmp_path / "run"
+    for i in (4, 6):
+        (run / "checkpoints" / f"iter_{i:07d}").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"iteration": 5, "reward/mean": 0.5}\n')
+    rc, out = train(run, "trainer.resume=false", "trainer.iterations=1")
+    assert rc != 0 and "holds an earlier run" in out and "trainer.archive_previous=true" in out, out[-3000:]
+    assert (run / "metrics.jsonl").read_text() == '{"iteration": 5, "reward/mean": 0.5}\n'
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_0000004", "iter_0000006"]
 
 
 # What a two-rank layout must reproduce of the one-rank run, and how closely. Rollouts come from
@@ -537,7 +619,7 @@ def test_quickstart_reward_rises_and_generalizes_for_several_seeds(tmp_path, mod
             proc = subprocess.run([sys.executable, "-m", "megatron_alp.cli", *cmd], cwd=ROOT, env=env,
                                   capture_output=True, text=True, timeout=1800)
             assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        m = metrics(run)
+        m = [r for r in metrics(run) if r["iteration"] >= 0]  # iteration -1: the base model's validation
         reward = [r["reward/mean"] for r in m]
         first, last = sum(reward[:10]) / 10, sum(reward[-10:]) / 10
         assert last >= 1.5 * first, (seed, first, last, reward)

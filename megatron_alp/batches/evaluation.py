@@ -14,7 +14,6 @@ the training format (``prompt`` + ``reward_model.ground_truth``).
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -25,6 +24,7 @@ from megatron_alp.algorithms.pass_at_k import score_matrix
 from megatron_alp.batches.sampling import eval_params, sample
 from megatron_alp.config import Config, ConfigError, EvalConfig
 from megatron_alp.data.prompts import (
+    BadRows,
     DataError,
     Prompt,
     SkipRow,
@@ -91,28 +91,42 @@ class Benchmark:
     path: str
     layout: str
     prompts: list[Prompt]
-    skipped: dict
+    skipped: dict  # rows left out, by reason (bad rows with data.skip_bad_rows; too_long)
+
+
+def benchmark_rows(path: str, cfg: Config, bad: BadRows, limit: Optional[int] = None
+                   ) -> tuple[str, list[tuple[str, list[dict], str]]]:
+    """The file's layout and ``(place, chat messages, ground truth)`` of its usable rows (the first
+    ``limit``); unusable rows go to ``bad``. Needs no tokenizer: a run checks its files first."""
+    rows = read_rows(path, bad)
+    if not rows:
+        raise DataError(f"benchmark file {path} has no rows")
+    columns = {k for r in rows for k in r.data}
+    layout, extract = detect_layout(columns, cfg.data.prompt_key, cfg.data.answer_key)
+    out = []
+    for row in rows[:limit] if limit else rows:
+        try:
+            question, answer = extract(row.data)
+            messages = build_messages(question, cfg.data.system_prompt, cfg.data.replace_system_prompt)
+            out.append((row.place, messages, normalize_answer(answer)))
+        except SkipRow as s:
+            bad.add(s.reason, row.place)
+    return layout, out
 
 
 def load_benchmark(name: str, path: str, tokenizer, cfg: Config, limit: Optional[int] = None) -> Benchmark:
-    skipped: Counter = Counter()
-    rows = read_rows(path, skipped)
-    if not rows:
-        raise DataError(f"benchmark file {path} has no rows")
-    columns = {k for r in rows for k in r}
-    layout, extract = detect_layout(columns, cfg.data.prompt_key, cfg.data.answer_key)
-    prompts = []
-    for i, row in enumerate(rows[:limit] if limit else rows):
+    bad = BadRows(cfg.data.skip_bad_rows)
+    layout, rows = benchmark_rows(path, cfg, bad, limit)
+    prompts, too_long = [], 0
+    for place, messages, answer in rows:
         try:
-            question, answer = extract(row)
-            messages = build_messages(question, cfg.data.system_prompt, cfg.data.replace_system_prompt)
-            prompts.append(make_prompt(tokenizer, messages, normalize_answer(answer), f"{path}:{i}",
-                                       cfg.rollout.sampling.max_prompt_length))
-        except SkipRow as s:
-            skipped[s.reason] += 1
+            prompts.append(make_prompt(tokenizer, messages, answer, place, cfg.rollout.sampling.max_prompt_length))
+        except SkipRow:
+            too_long += 1
+    skipped = {**bad.counts, **({"too_long": too_long} if too_long else {})}
     if not prompts:
-        raise DataError(f"benchmark {name} ({path}): no usable problems (skipped by reason: {dict(skipped)})")
-    return Benchmark(name, str(path), layout, prompts, dict(skipped))
+        raise DataError(f"benchmark {name} ({path}): no usable problems (left out by reason: {skipped})")
+    return Benchmark(name, str(path), layout, prompts, skipped)
 
 
 def response_budget(ev: EvalConfig, context: int, longest_prompt: int, log=print) -> int:

@@ -27,7 +27,8 @@ by engine token probability, with the envelope quantiles P2..P98. ``--seeds N`` 
 on N prompt selections (seed, seed + 1, ...): ``before`` (the checkpoint against the engine), ``after``
 (each updated policy against the engine), ``shift`` (each updated policy against the checkpoint)
 and the update's clip fractions and ratio quantiles, per arm and seed; the summary counts the
-(seed, bin) pairs where A's envelope width P98 - P2 is narrower than B's.
+(seed, bin) pairs where A's envelope width P98 - P2 is narrower than B's by more than 1% (closer
+widths are a tie: one update moves them by about that much).
 
 Writes ``OUT/intervene.json``, ``OUT/intervene.png`` and ``OUT/engine.log``, and prints a table. One
 process, unsharded (TP = PP = 1), like ``megatron-alp mismatch``; docs/mismatch.md explains it.
@@ -84,6 +85,9 @@ from megatron_alp.training.rl_batch import training_batch
 from megatron_alp.training.step_metrics import StepMetrics
 
 MIN_BIN_TOKENS = 10  # a (seed, bin) enters the comparison with at least this many tokens
+# widths within this relative difference are a tie: one update moves the envelope by a percent or less,
+# and a difference of 0.02% is noise, not "narrower"
+TIE = 0.01
 UPDATE_KEYS = ("clip/low_frac", "clip/high_frac", "clip/dual_frac", "ratio/p2", "ratio/p50", "ratio/p98",
                "ratio_loss/p2", "ratio_loss/p98", "loss/policy", "loss/total", "entropy/mean")
 
@@ -327,6 +331,11 @@ def measure(cfg: Config, arms: dict[Arm, Config], *, checkpoint: str, model_dir:
 # ------------------------------------------------------------------------------------- summary
 
 
+def _narrower(a: float, b: float) -> bool:
+    """Width ``a`` is narrower than ``b`` by more than :data:`TIE` (relative)."""
+    return a < b * (1 - TIE)
+
+
 def _width(stats: dict) -> float:
     return stats["log_ratio"]["p98"] - stats["log_ratio"]["p2"]
 
@@ -350,8 +359,8 @@ def summarize(per_seed: list[dict], names: list[str]) -> dict:
             before = [r[a]["before"]["by_probability"][i] for r in rows]
             entry["before"] = {"width": float(np.mean([_width(x) for x in before]))}
             pairs += len(rows)
-            narrower += sum(_width(r[a]["after"]["by_probability"][i]) < _width(r[b]["after"]["by_probability"][i])
-                            for r in rows)
+            narrower += sum(_narrower(_width(r[a]["after"]["by_probability"][i]),
+                                      _width(r[b]["after"]["by_probability"][i])) for r in rows)
         bins.append(entry)
     compared = [x for x in bins if x["seeds"]]
     overall = {}
@@ -371,7 +380,8 @@ def summarize(per_seed: list[dict], names: list[str]) -> dict:
                          "kl_k3": float(np.mean([e["arms"][a]["before"]["all"]["kl_k3"] for e in per_seed]))}
     return {"min_bin_tokens": MIN_BIN_TOKENS, "bins": bins, "all": overall,
             "narrower_pairs": int(narrower), "pairs": pairs,
-            "narrower_bins": sum(x[a]["width"] < x[b]["width"] for x in compared), "bins_compared": len(compared)}
+            "narrower_bins": sum(_narrower(x[a]["width"], x[b]["width"]) for x in compared),
+            "bins_compared": len(compared), "tie": TIE}
 
 
 # ------------------------------------------------------------------------------------- output
@@ -379,8 +389,9 @@ def summarize(per_seed: list[dict], names: list[str]) -> dict:
 
 def verdict(summary: dict, names: list[str]) -> str:
     a, b = names
-    return (f"{a} narrower than {b} in {summary['narrower_pairs']} of {summary['pairs']} (seed, bin) pairs; "
-            f"in {summary['narrower_bins']} of {summary['bins_compared']} bins on the seed-mean")
+    return (f"{a} narrower than {b} (by more than {100 * summary['tie']:g}%) in {summary['narrower_pairs']} of "
+            f"{summary['pairs']} (seed, bin) pairs; in {summary['narrower_bins']} of {summary['bins_compared']} bins "
+            "on the seed-mean")
 
 
 def format_table(report: dict) -> str:

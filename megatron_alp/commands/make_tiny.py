@@ -1,10 +1,15 @@
 """`megatron-alp make-tiny FAMILY OUT_DIR`: a tiny random Hugging Face model of a registered family
-and the local tokenizer, as an ordinary model directory (tests, quickstarts, trying a config)."""
+and the local tokenizer, as an ordinary model directory (tests, quickstarts, trying a config).
+Library output goes to ``OUT_DIR.log`` beside it."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from megatron_alp.commands.context import library_log
 from megatron_alp.models.families import FAMILIES
 from megatron_alp.models.tiny import make_tiny_model
+from megatron_alp.runtime.console import say
 
 
 def add_arguments(parser) -> None:
@@ -15,5 +20,9 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    print(make_tiny_model(args.family, args.out_dir, seed=args.seed, dtype=args.dtype))
+    out = Path(args.out_dir).absolute()
+    log = out.with_name(f"{out.name}.log")
+    with library_log(log, None, announce=False):
+        make_tiny_model(args.family, out, seed=args.seed, dtype=args.dtype)
+    say(f"wrote a tiny {args.family} model and its tokenizer to {out} (library output in {log})")
     return 0

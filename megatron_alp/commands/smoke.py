@@ -2,18 +2,23 @@
 
 Builds a tiny Megatron-Core model of a registered family on this machine (CPU or GPU), runs one
 perturbed policy-update forward/backward and one unperturbed forward, and prints what ALP did:
-the logit shift the noise caused and the gradient each sigma received.
+the logit shift the noise caused and the gradient each sigma received. Library output goes to
+``smoke.log`` in the system's temporary folder.
 """
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import torch
 from megatron.core import tensor_parallel
 
-from megatron_alp.commands.context import one_process
+from megatron_alp.commands.context import library_log, one_process
 from megatron_alp.config import ModelConfig, ParallelConfig, PerturbationConfig
 from megatron_alp.models.families import FAMILIES, hf_to_megatron
 from megatron_alp.models.tiny import tiny_hf_config
+from megatron_alp.runtime.console import say
 from megatron_alp.training.builder import build_gpt_model
 from megatron_alp.training.perturbation import gather_sigma_stats, next_microbatch, perturbed_step, sigma_parameters
 
@@ -25,7 +30,8 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    with one_process(seed=1):
+    log = Path(tempfile.gettempdir()) / "megatron-alp" / "smoke.log"
+    with library_log(log, None, announce=False), one_process(seed=1):
         model = build_gpt_model(
             hf_to_megatron(tiny_hf_config(args.family)),
             ModelConfig(tiny=args.family, dtype="float32"),
@@ -42,12 +48,12 @@ def run(args) -> int:
             logits = model(tokens, pos, None)
             loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), tokens.roll(-1, 1)).mean()
             loss.backward()
-        print(f"family={args.family} layers={args.layers} loss={loss.item():.4f} "
-              f"max|perturbed - clean logits|={(logits.detach() - clean).abs().max().item():.3e}")
+        say(f"family={args.family} layers={args.layers} loss={loss.item():.4f} "
+            f"max|perturbed - clean logits|={(logits.detach() - clean).abs().max().item():.3e}")
         for name, p in model.named_parameters():
             if getattr(p, "is_alp_sigma", False):
-                print(f"  {name}: sigma={p.exp().mean().item():.2e} grad={p.grad.abs().sum().item():.3e}")
+                say(f"  {name}: sigma={p.exp().mean().item():.2e} grad={p.grad.abs().sum().item():.3e}")
         ok = all(p.grad is not None and p.grad.abs().sum() > 0 for p in sigma_parameters(model))
-        print(f"sigma mean {gather_sigma_stats(model).get('sigma/mean', float('nan')):.2e}; "
-              f"{'OK' if ok else 'FAILED: a sigma got no gradient'}")
+        say(f"sigma mean {gather_sigma_stats(model).get('sigma/mean', float('nan')):.2e}; "
+            f"{'OK' if ok else 'FAILED: a sigma got no gradient'}; library output in {log}")
         return 0 if ok else 1

@@ -1,4 +1,9 @@
-"""`megatron-alp train CONFIG.yaml [key=value ...]`: RL training (:class:`~megatron_alp.trainer.RLTrainer`)."""
+"""`megatron-alp train CONFIG.yaml [key=value ...]`: RL training (:class:`~megatron_alp.trainer.trainer.RLTrainer`).
+
+Every input is checked and the run directory locked before anything else happens, so a refused
+start changes nothing, not even the log of a run already using the directory. Ctrl-C stops the
+run with one line saying where it resumes.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +12,12 @@ from pathlib import Path
 
 from megatron_alp.commands.context import library_log
 from megatron_alp.resolve import load_config
-from megatron_alp.runtime.console import held_warnings, log_name
+from megatron_alp.runtime.console import held_warnings, log_name, say
 from megatron_alp.runtime.process import forks_die_with_their_parent
 from megatron_alp.trainer.trainer import RLTrainer
+from megatron_alp.training.dist_checkpoint import latest_checkpoint
+
+EXIT_INTERRUPTED = 130  # the shell's code for a run stopped by SIGINT
 
 
 def add_arguments(parser) -> None:
@@ -22,13 +30,25 @@ def run(args) -> int:
     # warnings belong in the run's log, which only the validated config locates: hold them until then.
     with held_warnings():
         cfg = load_config(args.config, args.overrides)
-    log = Path(cfg.trainer.output_dir) / "logs" / log_name()
-    with library_log(log, None, announce=int(os.environ.get("RANK", "0")) == 0):
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    trainer = RLTrainer(cfg)
+    trainer.claim_run_dir()
+    with library_log(Path(cfg.trainer.output_dir) / "logs" / log_name(), None, announce=rank0):
         forks_die_with_their_parent()
-        trainer = RLTrainer(cfg)
         try:
             trainer.setup()
             trainer.train()
+        except KeyboardInterrupt:
+            if rank0:
+                say(interrupted(trainer))
+            return EXIT_INTERRUPTED
         finally:
             trainer.close()
     return 0
+
+
+def interrupted(trainer: RLTrainer) -> str:
+    """Where an interrupted run stands, and where the same command takes it up."""
+    ckpt = latest_checkpoint(trainer.run_dir)
+    where = f"resume from {ckpt.name}" if ckpt is not None else "start from the beginning (no checkpoint yet)"
+    return f"interrupted at iteration {trainer.iteration}; rerun the same command to {where}"

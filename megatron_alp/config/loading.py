@@ -7,6 +7,7 @@ resolves it, which is what commands and runs use.
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any, Optional
 
@@ -26,15 +27,38 @@ def format_errors(errors: list[tuple[str, str, Any]], source: str) -> str:
     return "\n".join(lines)
 
 
-def _schema_errors(err: ValidationError) -> list[tuple[str, str, Any]]:
+def _section(loc: tuple) -> Optional[type]:
+    """The schema class of the section at ``loc`` (None past a non-section)."""
+    cls = Config
+    for part in loc:
+        field = cls.model_fields.get(str(part)) if isinstance(cls, type) and hasattr(cls, "model_fields") else None
+        cls = field.annotation if field is not None else None
+        if cls is None:
+            return None
+    return cls
+
+
+def _unknown_key(loc: tuple) -> str:
+    """What to say of an unknown key: the closest known keys of its section, if any are close."""
+    section = _section(loc[:-1])
+    known = list(section.model_fields) if section is not None and hasattr(section, "model_fields") else []
+    close = difflib.get_close_matches(str(loc[-1]), known, n=2, cutoff=0.6)
+    prefix = ".".join(str(p) for p in loc[:-1])
+    hint = " or ".join(f"{prefix + '.' if prefix else ''}{c}" for c in close)
+    return "unknown key" + (f"; did you mean {hint}?" if hint else " (see docs/configuration.md for the valid keys)")
+
+
+def _schema_errors(err: ValidationError, overridden: set[str]) -> list[tuple[str, str, Any]]:
     out = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "<top level>"
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = "unknown key (see docs/configuration.md for the valid keys)"
+            msg = _unknown_key(e["loc"])
         elif e["type"] == "missing":
             msg = "required key is missing"
+        if key in overridden:
+            key = f"{key} (command-line override)"
         out.append((key, msg, ... if e["type"] == "missing" else e.get("input")))
     return out
 
@@ -71,17 +95,23 @@ def read_yaml(path: str | Path) -> dict:
     return data
 
 
-def validate_schema(data: dict, source: str = "<dict>") -> Config:
+def validate_schema(data: dict, source: str = "<dict>", overridden: frozenset[str] = frozenset()) -> Config:
     """A raw dict checked against the schema (not resolved), raising :class:`ConfigError` naming
-    each key."""
+    each key (and whether it came from a command-line override: ``overridden``)."""
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping of sections at the top level")
     try:
         return Config.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(format_errors(_schema_errors(err), source)) from None
+        raise ConfigError(format_errors(_schema_errors(err, set(overridden)), source)) from None
+
+
+def override_keys(overrides: list[str]) -> frozenset[str]:
+    """The dotted keys of ``KEY=VALUE`` overrides."""
+    return frozenset(".".join(_parse_override(item)[0]) for item in overrides)
 
 
 def read_config(path: str | Path, overrides: Optional[list[str]] = None) -> Config:
     """A YAML config file with command-line overrides, checked against the schema (not resolved)."""
-    return validate_schema(apply_overrides(read_yaml(path), overrides or []), str(path))
+    overrides = overrides or []
+    return validate_schema(apply_overrides(read_yaml(path), overrides), str(path), override_keys(overrides))

@@ -622,6 +622,13 @@ class DataConfig(_Section):
         "e.g. for a quick run on a fixed pool or an overfitting check. The tiny-model warm start "
         "(`trainer.sft_warmup_steps`) still reads every training prompt.",
     )
+    skip_bad_rows: bool = Field(
+        False,
+        description="Skip the rows of data files that cannot be used (a line that is not a JSON object, an empty "
+        "or malformed prompt, no ground truth) and report how many and where (file:line), instead of refusing "
+        "the file at the first one. Prompts longer than `rollout.sampling.max_prompt_length` are always left out "
+        "and reported.",
+    )
     shuffle: bool = Field(True, description="Shuffle prompts each epoch (deterministic in `seed`).")
     seed: int = Field(1, description="Data shuffling seed.")
 
@@ -787,7 +794,23 @@ class TrainerConfig(_Section):
     seed: int = Field(1, description="Global seed (model init, sampling engine, data order).")
     save_interval: int = Field(10, ge=1, description="Save a checkpoint every this many iterations.")
     keep_checkpoints: int = Field(2, ge=1, description="How many recent checkpoints to keep.")
-    resume: bool = Field(True, description="Resume from the newest complete checkpoint in output_dir.")
+    resume: bool = Field(
+        True,
+        description="Resume from the newest complete checkpoint in output_dir (a run that has none starts from the "
+        "beginning). false: start a fresh run, which a directory an earlier run left files in refuses (its "
+        "metrics and checkpoints would mix with the new run's) unless `archive_previous` is set.",
+    )
+    archive_previous: bool = Field(
+        False,
+        description="With `resume: false`: move what an earlier run left in output_dir (checkpoints, metrics, "
+        "config, tiny base model, figures, tracker files) to output_dir/archive/<UTC time>/ before the fresh run "
+        "starts.",
+    )
+    validate_base: bool = Field(
+        True,
+        description="With `eval_interval`: validate the base model before the first update too, logged as "
+        "iteration -1 (the figures draw it at 0, where the validation curve starts).",
+    )
     eval_interval: int = Field(
         0,
         ge=0,
@@ -797,8 +820,24 @@ class TrainerConfig(_Section):
         "iteration's metrics get `val/reward_mean` (average@k) and `val/pass@j` (j in `eval.pass_k`, up to "
         "k), per file too (`val/<file>/...`) when there are several. The reward figure draws them.",
     )
-    tensorboard: bool = Field(True, description="Also write metrics to TensorBoard.")
-    wandb_project: Optional[str] = Field(None, description="Weights & Biases project (optional).")
+    loggers: list[str] = Field(
+        default_factory=lambda: ["tensorboard"],
+        description="Experiment trackers that get the run's config, every iteration's metrics, the figures and the "
+        "final summary, beside RUN/metrics.jsonl (always written): `tensorboard` (RUN/tensorboard), `wandb` (needs "
+        "`wandb_project`; `wandb_mode: offline` writes RUN/wandb), `mlflow` (`mlflow_tracking_uri`, default a file "
+        "store in RUN/mlruns). A tracker whose package is missing is refused when the config is loaded, with the pip "
+        "command.",
+        json_schema_extra={"registry": "logger"},
+    )
+    tensorboard: bool = Field(
+        True, description="TensorBoard in `loggers` (kept for configs that set it; false takes it out of `loggers`).")
+    wandb_project: Optional[str] = Field(
+        None, description="Weights & Biases project of the `wandb` logger (setting it alone adds `wandb` to `loggers`).")
+    wandb_mode: Literal["online", "offline"] = Field(
+        "online", description="Weights & Biases mode: `offline` keeps the run in RUN/wandb for `wandb sync` later.")
+    mlflow_tracking_uri: Optional[str] = Field(
+        None, description="MLflow tracking URI of the `mlflow` logger (default: a file store in RUN/mlruns).")
+    mlflow_experiment: str = Field("megatron-alp", description="MLflow experiment the run is logged under.")
     progress_bar: bool = Field(True, description="Show a progress bar with ETA on the console.")
     mismatch_metrics: bool = Field(
         True,

@@ -4,16 +4,20 @@ deterministic, resumable order.
 Rows follow the paper's (and verl's) layout: ``prompt`` is a chat message list (system + user)
 or a plain string, and the ground truth sits at a dotted path (``reward_model.ground_truth``).
 Prompts are rendered with the tokenizer's own chat template, so the rollout engine and the
-trainer see exactly the token ids the model was trained on. A row that cannot be used (no ground
-truth, empty prompt, too long) is skipped and counted by reason; a file that cannot be used
-(missing, unknown format, no such column) is an error naming the file and the key.
+trainer see exactly the token ids the model was trained on.
+
+A row that cannot be used (a line that is not a JSON object, an empty or malformed prompt, no
+ground truth) is an error naming ``file:line`` and what was expected (:class:`BadRows`), unless
+``data.skip_bad_rows`` is set, which skips such rows and reports how many and where. A prompt
+longer than ``rollout.sampling.max_prompt_length`` is a valid row the run leaves out: counted and
+reported (``too_long``). A file that cannot be used (missing, unknown format, no such column) is an
+error naming the file and the key.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -35,24 +39,68 @@ class Prompt:
     prompt_ids: list[int]
     ground_truth: str
     messages: list[dict]
-    source: str  # "file:row" (0-based row), for tracing a sample back to its data
+    source: str  # "file:N" (the row's place, :class:`Row`), for tracing a sample back to its data
+
+
+# what a usable row has, by the reason a row is not usable
+EXPECTED = {
+    "bad_json": "one JSON object per line",
+    "empty_prompt": "a non-empty prompt (data.prompt_key)",
+    "bad_messages": "a prompt that is a string or a list of {role, content} chat messages (data.prompt_key)",
+    "no_ground_truth": "a ground-truth answer (data.answer_key)",
+}
 
 
 class SkipRow(Exception):
-    """A row is malformed; ``reason`` is the key it is counted under in ``skipped``."""
+    """A row is malformed; ``reason`` is a key of :data:`EXPECTED` (or ``too_long``)."""
 
     def __init__(self, reason: str):
         super().__init__(reason)
         self.reason = reason
 
 
+class BadRows:
+    """The rows a data set cannot use. By default the first one is a :class:`DataError` naming its
+    ``file:line`` and what was expected; with ``skip`` (``data.skip_bad_rows``) they are left out,
+    counted by reason with their places (:meth:`report`)."""
+
+    def __init__(self, skip: bool = False):
+        self.skip = skip
+        self.places: dict[str, list[str]] = {}
+
+    def add(self, reason: str, place: str) -> None:
+        if not self.skip:
+            raise DataError(f"{place}: bad row: expected {EXPECTED[reason]} (data.skip_bad_rows: true skips such "
+                            "rows and reports them)")
+        self.places.setdefault(reason, []).append(place)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return {reason: len(places) for reason, places in self.places.items()}
+
+    def report(self, shown: int = 3) -> Optional[str]:
+        """``skipped 3 bad rows: bad_json 2 (a.jsonl:4, a.jsonl:9), ...`` or None when there were none."""
+        if not self.places:
+            return None
+        parts = [f"{reason} {len(p)} ({', '.join(p[:shown])}{', ...' if len(p) > shown else ''})"
+                 for reason, p in self.places.items()]
+        return f"skipped {sum(self.counts.values())} bad rows (data.skip_bad_rows): {'; '.join(parts)}"
+
+
+@dataclass
+class Row:
+    place: str  # "file:N": the line of a jsonl file, the row (from 1) of a parquet file or JSON list
+    data: dict
+
+
 # ------------------------------------------------------------------------------------ files
 
 
-def read_rows(path: str | Path, skipped: Optional[Counter] = None) -> list[dict]:
-    """All rows of a ``.jsonl``/``.json``/``.parquet`` file as dicts. Lines of a jsonl file that are
-    not JSON objects are skipped and counted as ``bad_json`` in ``skipped``."""
+def read_rows(path: str | Path, bad: Optional[BadRows] = None) -> list[Row]:
+    """All rows of a ``.jsonl``/``.json``/``.parquet`` file with their places. A line of a jsonl file
+    that is not a JSON object goes to ``bad`` (by default: an error naming the line)."""
     path = Path(path)
+    bad = bad if bad is not None else BadRows()
     if not path.is_file():
         raise DataError(f"data file {path} does not exist")
     suffix = path.suffix.lower()
@@ -60,18 +108,19 @@ def read_rows(path: str | Path, skipped: Optional[Counter] = None) -> list[dict]
         import pyarrow.parquet as pq
 
         try:
-            return pq.read_table(path).to_pylist()
+            rows = pq.read_table(path).to_pylist()
         except Exception as err:  # pyarrow raises several types for a corrupt file
             raise DataError(f"data file {path}: not a readable parquet file ({err})") from None
+        return [Row(f"{path}:{i}", r) for i, r in enumerate(rows, 1)]
     if suffix in (".jsonl", ".json"):
         text = path.read_text(encoding="utf-8")
         if suffix == ".json" and text.lstrip().startswith("["):
             rows = json.loads(text)
             if not all(isinstance(r, dict) for r in rows):
                 raise DataError(f"data file {path}: expected a JSON list of objects")
-            return rows
-        rows = []
-        for line in text.splitlines():
+            return [Row(f"{path}:{i}", r) for i, r in enumerate(rows, 1)]
+        out = []
+        for number, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
@@ -79,10 +128,10 @@ def read_rows(path: str | Path, skipped: Optional[Counter] = None) -> list[dict]
             except json.JSONDecodeError:
                 row = None
             if isinstance(row, dict):
-                rows.append(row)
-            elif skipped is not None:
-                skipped["bad_json"] += 1
-        return rows
+                out.append(Row(f"{path}:{number}", row))
+            else:
+                bad.add("bad_json", f"{path}:{number}")
+        return out
     raise DataError(f"data file {path}: unknown format {suffix!r} (expected .parquet or .jsonl)")
 
 
@@ -99,11 +148,11 @@ def get_path(row: dict, dotted: str, default: Any = _MISSING) -> Any:
     return node
 
 
-def check_column(rows: list[dict], dotted: str, path: str | Path, field: str) -> None:
+def check_column(rows: list[Row], dotted: str, path: str | Path, field: str) -> None:
     """Error naming the file and key when no row has column ``dotted`` (a typo in the config, not
     a few bad rows)."""
-    if rows and not any(get_path(r, dotted, None) is not None for r in rows):
-        found = sorted({k for r in rows[:100] for k in r})
+    if rows and not any(get_path(r.data, dotted, None) is not None for r in rows):
+        found = sorted({k for r in rows[:100] for k in r.data})
         raise DataError(
             f"data file {path}: no row has a value at column {dotted!r} (config key data.{field}); "
             f"columns found: {found}"
@@ -208,12 +257,50 @@ def pad_id(tokenizer) -> int:
 # --------------------------------------------------------------------------------- data set
 
 
-class PromptDataset:
-    """Every usable prompt of the configured files, tokenised, in file order."""
+def prompt_rows(path: str | Path, *, prompt_key: str = "prompt", answer_key: str = "reward_model.ground_truth",
+                system_prompt: Optional[str] = None, replace_system_prompt: bool = False,
+                bad: Optional[BadRows] = None) -> list[tuple[str, list[dict], str]]:
+    """``(place, chat messages, ground truth)`` of every usable row of a training-format file;
+    unusable rows go to ``bad`` (by default: an error naming the first). Needs no tokenizer, so a
+    run checks its files before it starts anything."""
+    bad = bad if bad is not None else BadRows()
+    rows = read_rows(path, bad)
+    check_column(rows, prompt_key, path, "prompt_key")
+    check_column(rows, answer_key, path, "answer_key")
+    out = []
+    for row in rows:
+        try:
+            answer = normalize_answer(get_path(row.data, answer_key, None))
+            messages = build_messages(get_path(row.data, prompt_key, None), system_prompt, replace_system_prompt)
+        except SkipRow as s:
+            bad.add(s.reason, row.place)
+            continue
+        out.append((row.place, messages, answer))
+    return out
 
-    def __init__(self, prompts: list[Prompt], skipped: Optional[dict] = None):
+
+class PromptDataset:
+    """Every usable prompt of the configured files, tokenised, in file order; ``too_long`` holds the
+    places of the prompts left out for their length, ``bad`` the rows skipped as unusable."""
+
+    def __init__(self, prompts: list[Prompt], too_long: Optional[list[str]] = None, bad: Optional[BadRows] = None):
         self.prompts = prompts
-        self.skipped: dict[str, int] = dict(skipped or {})
+        self.too_long = list(too_long or [])
+        self.bad = bad if bad is not None else BadRows()
+
+    @property
+    def skipped(self) -> dict[str, int]:
+        """Rows left out, counted by reason."""
+        return {**self.bad.counts, **({"too_long": len(self.too_long)} if self.too_long else {})}
+
+    def report(self, max_prompt_length: int) -> list[str]:
+        """What the data set left out, for the terminal (nothing when it took every row)."""
+        lines = [self.bad.report()] if self.bad.places else []
+        if self.too_long:
+            shown = ", ".join(self.too_long[:3]) + (", ..." if len(self.too_long) > 3 else "")
+            lines.append(f"{len(self.too_long)} prompts longer than rollout.sampling.max_prompt_length="
+                         f"{max_prompt_length} tokens left out ({shown})")
+        return lines
 
     @classmethod
     def from_config(cls, cfg: DataConfig, tokenizer, max_prompt_length: int, split: str = "train") -> "PromptDataset":
@@ -224,32 +311,31 @@ class PromptDataset:
             raise DataError(f"data.{split}_files is empty: list the {split} prompt files (.parquet or .jsonl)")
         return cls.from_files(files, tokenizer, max_prompt_length, prompt_key=cfg.prompt_key,
                               answer_key=cfg.answer_key, system_prompt=cfg.system_prompt,
-                              replace_system_prompt=cfg.replace_system_prompt)
+                              replace_system_prompt=cfg.replace_system_prompt, skip_bad_rows=cfg.skip_bad_rows)
 
     @classmethod
     def from_files(cls, files: list[str], tokenizer, max_prompt_length: int, *, prompt_key: str = "prompt",
-                   answer_key: str = "reward_model.ground_truth",
-                   system_prompt: Optional[str] = None, replace_system_prompt: bool = False) -> "PromptDataset":
+                   answer_key: str = "reward_model.ground_truth", system_prompt: Optional[str] = None,
+                   replace_system_prompt: bool = False, skip_bad_rows: bool = False) -> "PromptDataset":
         prompts: list[Prompt] = []
-        skipped: Counter = Counter()
+        too_long: list[str] = []
+        bad = BadRows(skip_bad_rows)
         for path in files:
-            rows = read_rows(path, skipped)
-            check_column(rows, prompt_key, path, "prompt_key")
-            check_column(rows, answer_key, path, "answer_key")
-            for i, row in enumerate(rows):
+            for place, messages, answer in prompt_rows(path, prompt_key=prompt_key, answer_key=answer_key,
+                                                       system_prompt=system_prompt,
+                                                       replace_system_prompt=replace_system_prompt, bad=bad):
                 try:
-                    answer = normalize_answer(get_path(row, answer_key, None))
-                    messages = build_messages(get_path(row, prompt_key, None), system_prompt, replace_system_prompt)
-                    prompts.append(make_prompt(tokenizer, messages, answer, f"{path}:{i}", max_prompt_length))
-                except SkipRow as s:
-                    skipped[s.reason] += 1
+                    prompts.append(make_prompt(tokenizer, messages, answer, place, max_prompt_length))
+                except SkipRow:
+                    too_long.append(place)
         if not prompts:
-            raise DataError(f"no usable prompts in {list(files)} (skipped rows by reason: {dict(skipped)})")
-        return cls(prompts, skipped)
+            raise DataError(f"no usable prompts in {list(files)} (left out by reason: "
+                            f"{ {**bad.counts, 'too_long': len(too_long)} })")
+        return cls(prompts, too_long, bad)
 
     def head(self, n: Optional[int]) -> "PromptDataset":
         """The first ``n`` prompts (all of them when ``n`` is None)."""
-        return self if n is None else PromptDataset(self.prompts[:n], self.skipped)
+        return self if n is None else PromptDataset(self.prompts[:n], self.too_long, self.bad)
 
     def __len__(self) -> int:
         return len(self.prompts)

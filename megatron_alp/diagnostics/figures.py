@@ -1,18 +1,18 @@
 """The paper's diagnostic figures of a run, from its ``metrics.jsonl`` and ``token_probs/`` dumps
 (``megatron-alp plot``, and the trainer whenever a checkpoint lands).
 
-Figures (PNG, in ``RUN_DIR/plots`` or ``--out``): reward (of the training rollouts, and on the
-validation set when ``trainer.eval_interval`` logged it), the importance-ratio envelope (P2-P98
-and P5-P95 bands around the median, over optimizer steps), train-rollout mismatch (KL k1/k3,
-chi-square), entropy, gradient norm, sigma per perturbed layer over time, the train-vs-rollout
-token-probability scatter with Pearson r, and ``overview.png`` with all curves.
+Figures (PNG, in ``RUN_DIR/plots`` or ``--out``), over iterations: reward (of the training
+rollouts, and on the validation set when ``trainer.eval_interval`` logged it, from the base model
+on), the importance-ratio envelope (P2-P98 and P5-P95 bands around the median), train-rollout
+mismatch (KL k3 and chi-square; KL k1, which can be negative, apart), entropy, gradient norm, sigma
+per perturbed layer, the train-vs-rollout token-probability scatter with Pearson r, and
+``overview.png`` with all curves.
 Several run directories are overlaid (e.g. ALP against Seq-Bypass), one colour per run. Metrics
 a run did not log are skipped with a note.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -21,28 +21,34 @@ from typing import Optional
 
 import matplotlib
 import numpy as np
+import yaml
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
-from megatron_alp.runtime.run_log import METRICS_FILE
+from megatron_alp.runtime.run_log import METRICS_FILE, read_metrics
 
 _SIGMA_SITE = re.compile(r"^sigma/(layer_(\d+)|logits)/mean$")
 
-# name -> (title, y label, [(metric key, line label)], log scale)
+# name -> (title, y label, [(metric key, line label)], log scale); "{k}" is the run's eval.k
 CURVES = {
     "reward": ("Reward", "mean reward", [("reward/mean", "train (rollouts)"),
-                                         ("val/reward_mean", "validation (average@k)")], False),
+                                         ("val/reward_mean", "validation (average@{k})")], False),
     "mismatch_kl": ("Train-rollout mismatch", "divergence",
-                    [("mismatch/kl_k1", "KL (k1)"), ("mismatch/kl_k3", "KL (k3)"), ("mismatch/chi2", "chi-square")],
-                    True),
+                    [("mismatch/kl_k3", "KL (k3)"), ("mismatch/chi2", "chi-square")], True),
+    "mismatch_k1": ("Train-rollout mismatch: KL k1", "KL (k1), may be negative", [("mismatch/kl_k1", "KL (k1)")],
+                    False),
     "entropy": ("Entropy", "mean token entropy", [("entropy/mean", "entropy")], False),
     "grad_norm": ("Gradient norm", "global grad norm", [("grad_norm", "grad norm")], True),
     "response_length": ("Response length", "tokens", [("response_length/mean", "mean length")], False),
 }
+X_LABEL = "iteration"
+X_LABEL_WITH_VALIDATION = "iteration (validation: after that many; 0: the base model)"
 
 
 class Run:
-    """One run directory's metrics as columns over steps."""
+    """One run directory's metrics as columns over iterations. A record describes its iteration
+    (the rollouts of the policy after that many updates); validation (``val/*``) ran after it, so
+    it is drawn at iteration + 1: the base model's (iteration -1) at 0."""
 
     def __init__(self, run_dir: str | Path):
         self.dir = Path(run_dir)
@@ -53,12 +59,15 @@ class Run:
         self.records, self.bad_lines = read_metrics(path)
         if not self.records:
             raise ValueError(f"{path} has no metric records")
-        self.x_key = "step" if all("step" in r for r in self.records) else "iteration"
+        self.iterations = len({r["iteration"] for r in self.records if r.get("iteration", -1) >= 0})
+        config = self.dir / "config.yaml"
+        self.k = (yaml.safe_load(config.read_text()) or {}).get("eval", {}).get("k", "k") if config.is_file() else "k"
 
     def series(self, key: str) -> Optional[tuple[np.ndarray, np.ndarray]]:
         """(x, y) of the records with a finite ``key``; None when no record has it."""
-        pts = [(r[self.x_key], r[key]) for r in self.records
-               if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+        shift = 1 if key.startswith("val/") else 0
+        pts = [(r["iteration"] + shift, r[key]) for r in self.records
+               if isinstance(r.get(key), (int, float)) and math.isfinite(r[key]) and "iteration" in r]
         if not pts:
             return None
         x, y = zip(*pts)
@@ -78,24 +87,6 @@ class Run:
         return files[-1] if files else None
 
 
-def read_metrics(path: Path) -> tuple[list[dict], int]:
-    """Records of a metrics.jsonl and the count of unreadable lines (e.g. one cut short by a kill)."""
-    records, bad = [], 0
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            bad += 1
-            continue
-        if isinstance(rec, dict):
-            records.append(rec)
-        else:
-            bad += 1
-    return records, bad
-
-
 def pearson_r(a: np.ndarray, b: np.ndarray) -> float:
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     if len(a) < 2 or a.std() == 0 or b.std() == 0:
@@ -111,9 +102,9 @@ def _colors(n: int) -> list:
     return [cycle[i % len(cycle)] for i in range(n)]
 
 
-def _finish(ax, title: str, ylabel: str, x_key: str, log: bool = False) -> None:
+def _finish(ax, title: str, ylabel: str, log: bool = False) -> None:
     ax.set_title(title)
-    ax.set_xlabel("optimizer step" if x_key == "step" else "iteration")
+    ax.set_xlabel(X_LABEL)
     ax.set_ylabel(ylabel)
     if log:
         _plain_log_axis(ax)
@@ -121,9 +112,13 @@ def _finish(ax, title: str, ylabel: str, x_key: str, log: bool = False) -> None:
 
 
 def _plain_log_axis(ax) -> None:
-    """Log y axis labelled 0.5, 1, 2 rather than 5x10^-1 (ratios and sigmas read better)."""
+    """A log y axis where the data span a decade or more, labelled 0.5, 1, 2 rather than 5x10^-1
+    (ratios and sigmas read better); a narrower span keeps the linear axis, whose ticks a log
+    axis would thin to one."""
+    lo, hi = ax.dataLim.y0, ax.dataLim.y1  # the data's range, not the axis margins
+    if lo <= 0 or hi / lo < 10:
+        return
     ax.set_yscale("log")
-    lo, hi = ax.get_ylim()
     if hi / lo > 1e3:  # many decades: the default 10^k labels are clearer
         return
 
@@ -145,14 +140,16 @@ def draw_curve(ax, runs: list[Run], name: str) -> bool:
             s = run.series(key)
             if s is None:
                 continue
-            parts = [run.name] * (len(runs) > 1) + [label] * (len(keys) > 1)
-            sparse = len(s[0]) < len(run.records)  # e.g. validation every few iterations: mark its points
+            parts = [run.name] * (len(runs) > 1) + [label.format(k=run.k)] * (len(keys) > 1)
+            sparse = len(s[0]) < run.iterations  # e.g. validation every few iterations: mark its points
             ax.plot(*s, style, color=color, label=" / ".join(parts) or None, lw=1.5, marker="o" if sparse else None,
                     ms=4)
             all_positive &= bool(np.all(s[1] > 0))
             drawn = True
     if drawn:
-        _finish(ax, title, ylabel, runs[0].x_key, log and all_positive)
+        _finish(ax, title, ylabel, log and all_positive)
+        if any(key.startswith("val/") and run.series(key) is not None for key, _ in keys for run in runs):
+            ax.set_xlabel(X_LABEL_WITH_VALIDATION)
         if len(runs) > 1 or len(keys) > 1:
             ax.legend(fontsize=8)
     return drawn
@@ -179,8 +176,7 @@ def draw_ratio_envelope(ax, runs: list[Run]) -> bool:
         drawn = True
     if drawn:
         ax.axhline(1.0, color="black", lw=0.8, ls="--")
-        _finish(ax, "Importance-ratio envelope", "ratio (train / rollout)", runs[0].x_key,
-                log=all_positive)
+        _finish(ax, "Importance-ratio envelope", "ratio (train / rollout)", log=all_positive)
         ax.legend(fontsize=8)
     return drawn
 
@@ -191,7 +187,8 @@ def _at(series: tuple[np.ndarray, np.ndarray], x: np.ndarray) -> np.ndarray:
 
 
 def draw_sigma(ax, run: Run, title_prefix: str = "") -> bool:
-    """Mean sigma of every perturbed site over time, coloured from the first layer to the last."""
+    """Mean sigma of every perturbed site over time, coloured from the first layer to the last;
+    every line in the legend (in columns when there are many)."""
     sites = run.sigma_sites()
     if not sites:
         return False
@@ -199,11 +196,11 @@ def draw_sigma(ax, run: Run, title_prefix: str = "") -> bool:
     cmap = matplotlib.colormaps["viridis"]
     for i, site in enumerate(layers):
         ax.plot(*run.series(f"sigma/{site}/mean"), color=cmap(i / max(len(layers) - 1, 1)), lw=1.0,
-                label=f"layer {int(site.split('_')[1])}" if i in (0, len(layers) - 1) else None)
+                label=f"layer {int(site.split('_')[1])}")
     if "logits" in sites:
         ax.plot(*run.series("sigma/logits/mean"), color="crimson", lw=1.5, ls="--", label="logits")
-    _finish(ax, f"{title_prefix}Sigma per layer", "sigma (mean over dims)", run.x_key, log=True)
-    ax.legend(fontsize=8)
+    _finish(ax, f"{title_prefix}Sigma per layer", "sigma (mean over dims)", log=True)
+    ax.legend(fontsize=7, ncol=max(1, len(sites) // 8))
     return True
 
 
@@ -214,8 +211,8 @@ def probability_scatter(ax, train: np.ndarray, rollout: np.ndarray, max_points: 
     if len(train) > max_points:
         idx = np.random.default_rng(0).choice(len(train), max_points, replace=False)
         train, rollout = train[idx], rollout[idx]
-    ax.scatter(rollout, train, s=size, alpha=alpha, lw=0, color="tab:blue", rasterized=True)
-    ax.plot([0, 1], [0, 1], color="black", lw=0.8, ls="--")
+    ax.plot([0, 1], [0, 1], color="grey", lw=0.6, ls=":", zorder=1)  # behind the points it would hide
+    ax.scatter(rollout, train, s=size, alpha=alpha, lw=0, color="tab:blue", rasterized=True, zorder=2)
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1)
     ax.set_aspect("equal")
@@ -267,7 +264,7 @@ def make_plots(run_dirs: list[str | Path], out_dir: Optional[str | Path] = None,
         return ok is not False
 
     panels = []
-    for name in ("reward", "ratio_envelope", "mismatch_kl", "entropy", "grad_norm", "response_length"):
+    for name in ("reward", "ratio_envelope", "mismatch_kl", "mismatch_k1", "entropy", "grad_norm", "response_length"):
         if name == "ratio_envelope":
             ok, needs = single(name, draw_ratio_envelope, runs), ["ratio/p2", "ratio/p98"]
         else:

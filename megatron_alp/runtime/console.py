@@ -32,6 +32,11 @@ def say(message: str) -> None:
     print(message, file=_out or sys.stdout, flush=True)
 
 
+def say_error(message: str) -> None:
+    """One error line of ours on the terminal's stderr (also while library output is redirected)."""
+    print(message, file=_err or sys.stderr, flush=True)
+
+
 def progress_stream() -> TextIO:
     """Where a progress bar draws: the terminal's stderr."""
     return _err or sys.stderr

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 
 from megatron_alp.config import Config, InputError
@@ -38,14 +39,31 @@ def make_base_model(cfg: Config, path: Path) -> None:
     start it on the training answers; written beside and moved into place, so a kill leaves none."""
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    make_tiny_model(cfg.model.tiny, tmp, seed=cfg.trainer.seed, **cfg.model.tiny_config)
-    if cfg.trainer.sft_warmup_steps:
-        tok = load_tokenizer(tmp)
-        data = PromptDataset.from_config(cfg.data, tok, cfg.rollout.sampling.max_prompt_length, split="train")
-        examples = warmup_examples(data, tok, cfg.trainer.sft_warmup_format, cfg.tir.tool_format,
-                                   unboxed=cfg.trainer.sft_warmup_unboxed, seed=cfg.trainer.seed)
-        stats = warm_start(tmp, examples, tok, steps=cfg.trainer.sft_warmup_steps, lr=cfg.trainer.sft_warmup_lr,
-                           seed=cfg.trainer.seed)
-        say(f"warm start: loss {stats['warmstart/first_loss']:.3f} -> {stats['warmstart/last_loss']:.3f} "
-            f"in {stats['warmstart/steps']} steps")
+    try:
+        make_tiny_model(cfg.model.tiny, tmp, seed=cfg.trainer.seed, **cfg.model.tiny_config)
+        if cfg.trainer.sft_warmup_steps:
+            tok = load_tokenizer(tmp)
+            data = PromptDataset.from_config(cfg.data, tok, cfg.rollout.sampling.max_prompt_length, split="train")
+            examples = warmup_examples(data, tok, cfg.trainer.sft_warmup_format, cfg.tir.tool_format,
+                                       unboxed=cfg.trainer.sft_warmup_unboxed, seed=cfg.trainer.seed)
+            stats = warm_start(tmp, examples, tok, steps=cfg.trainer.sft_warmup_steps, lr=cfg.trainer.sft_warmup_lr,
+                               seed=cfg.trainer.seed, progress=_every(30.0, cfg.trainer.sft_warmup_steps))
+            say(f"warm start: loss {stats['warmstart/first_loss']:.3f} -> {stats['warmstart/last_loss']:.3f} "
+                f"in {stats['warmstart/steps']} steps")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     os.replace(tmp, path)
+
+
+def _every(seconds: float, steps: int):
+    """A warm-start progress printer: a line every ``seconds`` (the warm start of a TIR model can
+    take many minutes), never for the last step (the summary line follows)."""
+    last = [time.time()]
+
+    def show(step: int, loss: float) -> None:
+        if step < steps and time.time() - last[0] >= seconds:
+            last[0] = time.time()
+            say(f"warm start: step {step} of {steps}, loss {loss:.3f}")
+
+    return show

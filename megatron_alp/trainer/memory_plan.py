@@ -283,7 +283,7 @@ class Layout:
             (self.gpus % (self.tp * self.pp) == 0,
              f"--gpus {self.gpus} is not a multiple of parallel.tensor_model_parallel_size x "
              f"pipeline_model_parallel_size = {self.tp * self.pp}"),
-            (self.gpus % (self.etp * self.ep * self.pp) == 0,
+            (not arch.experts or self.gpus % (self.etp * self.ep * self.pp) == 0,
              f"--gpus {self.gpus} is not a multiple of parallel.expert_tensor_parallel_size x "
              f"expert_model_parallel_size x pipeline_model_parallel_size = {self.etp * self.ep * self.pp}"),
             (arch.heads % self.tp == 0 and arch.kv_heads % self.tp == 0 and arch.vocab % self.tp == 0
@@ -726,8 +726,11 @@ def _plan(cfg: Config, gpus: int, gpu_mem_gib: float, hf: dict, source: str,
         micro_batch += f"; old/reference logprob passes {_logprob_budget(cfg)} tokens (forward only)"
     notes = (
         f"sequence {seq} tokens (the engine context); micro-batch {micro_batch}",
-        f"rollout: {kv_per_token / 1024:.1f} KiB of KV cache per token: {max(kv_cache, 0) // one_sequence} "
-        f"full-length sequences at once (an iteration samples {responses}; the engine queues the rest)",
+        f"rollout: {kv_per_token / 1024:.1f} KiB of KV cache per token: {kv_cache // one_sequence} "
+        f"full-length sequences at once (an iteration samples {responses}; the engine queues the rest)"
+        if kv_cache >= one_sequence else
+        f"rollout: {kv_per_token / 1024:.1f} KiB of KV cache per token: no room for one full-length sequence "
+        "beside the engine's weights and workspace (raise rollout.gpu_memory_utilization)",
         "nothing offloaded: Megatron's state stays on the trainer GPUs, each engine keeps its own GPU "
         "(rollout.placement: separate)" if lay.separate else
         f"host memory for the offloaded state: {_gib(offloaded)} GiB per GPU",

@@ -3,12 +3,14 @@
 Each function turns one product of the iteration into its flat ``group/name`` metrics: the
 sampled batch (:func:`batch_metrics`), the trajectories' policy versions
 (:func:`staleness_metrics`), the optimizer steps (:func:`update_metrics`) and the throughput
-(:func:`throughput_metrics`). The loss statistics come reduced from the update
+(:func:`throughput_metrics`), and the run's end (:func:`run_summary`). The loss statistics come reduced from the update
 (:class:`~megatron_alp.training.step_metrics.StepMetrics`), one dict per step, averaged by
 :func:`mean_dicts`.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -85,3 +87,30 @@ def throughput_metrics(tokens: float, timing: dict) -> dict:
         "throughput/tokens_per_s": tokens / max(timing["timing/total_s"], 1e-9),
         "throughput/rollout_tokens_per_s": timing["rollout/response_tokens"] / max(timing["timing/rollout_s"], 1e-9),
     }
+
+
+def run_summary(records: list[dict], seconds: float, run_dir: Path, k: int) -> tuple[list[str], dict[str, float]]:
+    """The end of a run for the terminal (lines) and the trackers (numbers): its length, the mean
+    reward of its first and last ten iterations, validation average@``k`` of the base model and at
+    the end, and where its files are."""
+    trained = [r for r in records if r.get("iteration", -1) >= 0]
+    values = {"summary/seconds": seconds, "summary/iterations": float(len(trained))}
+    lines = [f"run finished in {seconds / 60:.1f} min: {len(trained)} iterations"]
+    rewards = [r["reward/mean"] for r in trained if "reward/mean" in r]
+    if rewards:
+        head, tail = rewards[:10], rewards[-10:]
+        values.update({"summary/reward_first": float(np.mean(head)), "summary/reward_last": float(np.mean(tail))})
+        lines[0] += (f"; reward {values['summary/reward_first']:.3f} (first {len(head)}) -> "
+                     f"{values['summary/reward_last']:.3f} (last {len(tail)})")
+    val = [(r["iteration"], r["val/reward_mean"]) for r in records if "val/reward_mean" in r]
+    if val:
+        first, last = val[0], val[-1]
+        values.update({"summary/val_first": first[1], "summary/val_last": last[1]})
+        start = "base model" if first[0] < 0 else f"after iteration {first[0]}"
+        lines[0] += f"; validation average@{k} {100 * first[1]:.1f}% ({start}) -> {100 * last[1]:.1f}%"
+    ckpts = sorted((run_dir / "checkpoints").glob("iter_*")) if (run_dir / "checkpoints").is_dir() else []
+    where = [f"checkpoints {ckpts[-1]}" if ckpts else None, f"metrics {run_dir / 'metrics.jsonl'}",
+             f"figures {run_dir / 'plots'}/" if (run_dir / "plots").is_dir() else None,
+             f"config {run_dir / 'config.yaml'}", f"log {run_dir / 'logs' / 'engine.log'}"]
+    lines.append("wrote " + ", ".join(w for w in where if w))
+    return lines, values

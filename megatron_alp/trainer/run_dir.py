@@ -1,8 +1,11 @@
-"""A run directory: one trainer at a time, the resolved config, checkpoints kept and pruned.
+"""A run directory: one trainer at a time, one run at a time, the resolved config, checkpoints kept
+and pruned.
 
 ``RUN/config.yaml`` is the config as resolved, ``RUN/checkpoints/iter_NNNNNNN`` the complete
 checkpoints (written atomically by :mod:`megatron_alp.training.dist_checkpoint`), ``RUN/.lock``
-the lock of the running trainer.
+the lock of the running trainer. A directory holds one run: a run started with ``trainer.resume:
+false`` in a directory an earlier run left files in is refused (:func:`claim_fresh`), unless
+``trainer.archive_previous`` moves those files to ``RUN/archive/<time>/`` first.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import fcntl
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
 
 import yaml
@@ -45,6 +49,36 @@ def lock_run_dir(run_dir: Path):
     return f
 
 
+# what a run leaves in its directory (the lock and the logs folder are the directory's own)
+RUN_FILES = ("checkpoints", "metrics.jsonl", "config.yaml", "base_model", "token_probs", "plots", "tensorboard",
+             "wandb", "mlruns", "mlflow_run_id")
+
+
+def previous_run(run_dir: Path) -> list[str]:
+    """What an earlier run left in ``run_dir`` (empty: nothing)."""
+    return [name for name in RUN_FILES if (run_dir / name).exists()]
+
+
+def claim_fresh(run_dir: Path, archive: bool) -> None:
+    """Make ``run_dir`` ready for a run that does not resume (``trainer.resume: false``): refuse when
+    an earlier run left files there, or with ``archive`` (``trainer.archive_previous``) move them to
+    ``RUN/archive/<UTC time>/``, so the new run's metrics and checkpoints never mix with the old."""
+    left = previous_run(run_dir)
+    if not left:
+        return
+    if not archive:
+        ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("iter_*")) if (run_dir / "checkpoints").is_dir() else []
+        held = ", ".join(left) + (f" ({', '.join(ckpts)})" if ckpts else "")
+        raise InputError(
+            f"trainer.output_dir {run_dir} holds an earlier run ({held}) and trainer.resume is false: a fresh run "
+            "would mix with it. Resume it (trainer.resume=true), choose another trainer.output_dir, or set "
+            "trainer.archive_previous=true to move the earlier run to RUN/archive/ first")
+    target = run_dir / "archive" / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    target.mkdir(parents=True, exist_ok=False)
+    for name in left:
+        os.replace(run_dir / name, target / name)
+
+
 def write_config(run_dir: Path, cfg: Config) -> None:
     """``RUN/config.yaml``: the run's config as resolved (every default filled in)."""
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
@@ -54,10 +88,12 @@ def checkpoint_dir(run_dir: Path, iteration: int) -> Path:
     return run_dir / "checkpoints" / f"iter_{iteration:07d}"
 
 
-def prune_checkpoints(run_dir: Path, keep: int) -> None:
-    """Remove all but the ``keep`` newest complete checkpoints."""
+def prune_checkpoints(run_dir: Path, keep: int, upto: int) -> None:
+    """Remove all but the ``keep`` newest complete checkpoints up to iteration ``upto`` (this run's
+    own: a checkpoint of a later iteration is not this run's to remove)."""
     root = run_dir / "checkpoints"
-    done = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("iter_") and "." not in p.name)
+    done = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("iter_") and "." not in p.name
+                  and p.name[5:].isdigit() and int(p.name[5:]) <= upto)
     for old in done[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 

@@ -43,20 +43,29 @@ from megatron_alp.rollout.placement import pin_trainer_cores
 from megatron_alp.runtime.console import say
 from megatron_alp.runtime.parallel import destroy_distributed, init_distributed
 from megatron_alp.runtime.platform import has_gpu
-from megatron_alp.runtime.run_log import RunLogger, save_token_probs
+from megatron_alp.runtime.run_log import RunLogger, read_metrics, save_token_probs
 from megatron_alp.runtime.seeding import derive_seed, seed_everything
 from megatron_alp.tir.sandbox import SandboxExecutor
 from megatron_alp.trainer.base_model import base_model_dir, check_model_dir, make_base_model
+from megatron_alp.trainer.inputs import check_run_inputs
 from megatron_alp.trainer.memory_plan import check_fits
 from megatron_alp.trainer.metrics import (
     batch_metrics,
     mean_dicts,
+    run_summary,
     staleness_metrics,
     throughput_metrics,
     update_metrics,
 )
 from megatron_alp.trainer.phases import engine_awake, memory_in_use, offloaded, peak_memory, timed
-from megatron_alp.trainer.run_dir import checkpoint_dir, kill_during_save, lock_run_dir, prune_checkpoints, write_config
+from megatron_alp.trainer.run_dir import (
+    checkpoint_dir,
+    claim_fresh,
+    kill_during_save,
+    lock_run_dir,
+    prune_checkpoints,
+    write_config,
+)
 from megatron_alp.training.calibration import calibrate_sigma, calibration_due, calibration_line
 from megatron_alp.training.dist_checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from megatron_alp.training.micro_batch import Batching
@@ -84,17 +93,32 @@ class RLTrainer:
         self.run_dir = Path(cfg.trainer.output_dir)
         self.iteration = 0
         self.step = 0
-        self.logger = self.rollout = self.executor = self.batches = self._validation = None
+        self.logger = self.rollout = self.executor = self.batches = self._validation = self._lock = None
+        self._claimed = False
 
     # ------------------------------------------------------------------------------- setup
 
+    def claim_run_dir(self) -> None:
+        """Check every input (nothing is created when one is wrong), then, on global rank 0, take the
+        run directory: create it, lock it (one trainer per directory) and, for a fresh run
+        (``trainer.resume: false``), refuse or archive an earlier run's files. Idempotent; the
+        ``train`` command calls it before any output goes to the run's log."""
+        if self._claimed:
+            return
+        check_run_inputs(self.cfg)
+        if int(os.environ.get("RANK", "0")) == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._lock = lock_run_dir(self.run_dir)
+            if not self.cfg.trainer.resume:
+                claim_fresh(self.run_dir, archive=self.cfg.trainer.archive_previous)
+        self._claimed = True
+
     def setup(self) -> None:
         cfg = self.cfg
+        self.claim_run_dir()
         init_distributed(cfg.parallel, seed=cfg.trainer.seed)
         self.rank = dist.get_rank()
         if self.rank == 0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._lock = lock_run_dir(self.run_dir)
             write_config(self.run_dir, cfg)
         check_batch_layout(cfg.trainer, cfg.rollout.sampling.n, ps.get_data_parallel_world_size())
         if has_gpu():
@@ -108,8 +132,8 @@ class RLTrainer:
         self.pad_id = pad_id(self.tokenizer)
         dataset = PromptDataset.from_config(cfg.data, self.tokenizer, cfg.rollout.sampling.max_prompt_length,
                                             split="train").head(cfg.data.max_train_prompts)
-        if self.rank == 0 and getattr(dataset, "skipped", None):
-            say(f"data: skipped rows {dict(dataset.skipped)}")
+        for line in dataset.report(cfg.rollout.sampling.max_prompt_length) if self.rank == 0 else ():
+            say(f"data: {line}")
         self.sampler = PromptSampler(dataset, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         self.reward_fn = build_reward(cfg.reward) if self.rank == 0 else None
         self.args = hf_to_megatron(load_hf_config(self.model_dir))
@@ -118,9 +142,11 @@ class RLTrainer:
         self.batches = build_batch_source(cfg, self.rollout, self.sampler, Scorer(cfg, self.reward_fn),
                                           tokenizer=self.tokenizer, executor=self.executor)
         if self.rank == 0:
-            self.logger = RunLogger(self.run_dir, total_iterations=cfg.trainer.iterations, start_iteration=self.iteration,
-                                    tensorboard=cfg.trainer.tensorboard, wandb_project=cfg.trainer.wandb_project,
-                                    progress_bar=cfg.trainer.progress_bar, config=cfg.model_dump(mode="json"))
+            t = cfg.trainer
+            settings = {k: getattr(t, k) for k in ("wandb_project", "wandb_mode", "mlflow_tracking_uri", "mlflow_experiment")}
+            self.logger = RunLogger(self.run_dir, total_iterations=t.iterations, start_iteration=self.iteration,
+                                    trackers=t.loggers, tracker_settings=settings, progress_bar=t.progress_bar,
+                                    config=cfg.model_dump(mode="json"))
 
     def _model_dir(self) -> Path:
         """The HF directory the engine and the Megatron model start from (a tiny model is created,
@@ -163,11 +189,14 @@ class RLTrainer:
 
     def _start_rollout(self, resumed: bool) -> None:
         cfg = self.cfg
+        t0 = time.time()
         with offloaded(self.offloader, {}):  # the engine claims its memory while Megatron's state is away
             self.rollout = DistributedRollout(cfg.rollout, str(self.model_dir), seed=cfg.trainer.seed,
                                               scorer=probe_mismatch, version=self.iteration,
                                               background=cfg.trainer.max_staleness > 0)
             self.rollout.sleep()
+        if self.rank == 0:
+            say(f"rollout engine: {self.rollout.replicas} {cfg.rollout.engine} replica(s) ready in {time.time() - t0:.0f} s")
         pin_trainer_cores(cfg.rollout)
         if cfg.trainer.max_staleness and cfg.tir.enabled and self.rollout.replica is not None:
             if self.executor is None:
@@ -180,6 +209,16 @@ class RLTrainer:
 
     def train(self) -> None:
         t = self.cfg.trainer
+        if self.iteration >= t.iterations:
+            if self.rank == 0:
+                say(f"{self.run_dir} has finished its trainer.iterations={t.iterations}: nothing to train (raise "
+                    "trainer.iterations to continue it, or choose another trainer.output_dir)")
+            return
+        started = time.time()
+        if t.eval_interval and t.validate_base and self.iteration == 0:  # where the validation curve starts
+            base = self.validate()
+            if self.rank == 0:
+                self.logger.log(-1, {"step": 0, **base})
         while self.iteration < t.iterations:
             metrics = self.train_iteration()
             self.iteration += 1
@@ -190,6 +229,12 @@ class RLTrainer:
             if self.iteration % t.save_interval == 0 or self.iteration == t.iterations:
                 self.save()
                 self._plot()
+        if self.rank == 0:
+            lines, values = run_summary(read_metrics(self.run_dir)[0], time.time() - started, self.run_dir,
+                                        self.cfg.eval.k)
+            self.logger.summary(values)
+            for line in lines:
+                say(line)
 
     def train_iteration(self) -> dict:
         cfg, m = self.cfg, {}
@@ -296,7 +341,7 @@ class RLTrainer:
         if self.rank != 0:
             return
         try:
-            make_plots([self.run_dir], log=lambda msg: None)
+            self.logger.figures(make_plots([self.run_dir], log=lambda msg: None))
         except Exception as err:  # a figure must never take the run down
             say(f"plot: skipped ({err})")
 
@@ -309,7 +354,7 @@ class RLTrainer:
                         opt_param_scheduler=self.scheduler, extra=extra, hf_dir=self.model_dir,
                         before_commit=kill_during_save)
         if self.rank == 0:
-            prune_checkpoints(self.run_dir, self.cfg.trainer.keep_checkpoints)
+            prune_checkpoints(self.run_dir, self.cfg.trainer.keep_checkpoints, upto=self.iteration)
         dist.barrier()
 
     def close(self) -> None:

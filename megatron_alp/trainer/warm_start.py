@@ -24,7 +24,7 @@ from __future__ import annotations
 import random
 import re
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -95,9 +95,11 @@ def warmup_examples(prompts: Iterable, tokenizer, fmt: str, tool_format: str = "
 
 
 def warm_start(model_dir: str | Path, examples: list[tuple[list[int], list[int], list[int]]], tokenizer, *,
-               steps: int, lr: float = 3e-3, batch_size: int = 32, seed: int = 0) -> dict:
+               steps: int, lr: float = 3e-3, batch_size: int = 32, seed: int = 0,
+               progress: Optional[Callable[[int, float], None]] = None) -> dict:
     """Train ``model_dir`` in place on (prompt ids, target ids, target loss mask) examples
-    (:func:`warmup_examples`); returns loss stats."""
+    (:func:`warmup_examples`); returns loss stats. ``progress(step, loss)`` is called after every
+    step (the caller decides what to show)."""
     from transformers import AutoModelForCausalLM
 
     if not examples:
@@ -126,5 +128,7 @@ def warm_start(model_dir: str | Path, examples: list[tuple[list[int], list[int],
         opt.step()
         first = loss.item() if first is None else first
         last = loss.item()
+        if progress is not None:
+            progress(step + 1, last)
     model.save_pretrained(model_dir, safe_serialization=True)
     return {"warmstart/first_loss": first, "warmstart/last_loss": last, "warmstart/steps": steps}
