@@ -75,11 +75,13 @@ COPY launch ./launch
 COPY data ./data
 RUN pip install -e ".[gpu]"
 
-# Every component is importable (find_spec: no GPU is present while building).
-RUN python -c "import importlib.util as u; mods = ['torch', 'vllm', 'megatron.core', 'transformer_engine', \
-'apex', 'math_verify', 'modelopt', 'megatron_alp']; missing = [m for m in mods if u.find_spec(m) is None]; \
-assert not missing, f'missing: {missing}'" \
- && /opt/sglang/bin/python -c "import importlib.util as u; assert u.find_spec('sglang'), 'sglang missing'" \
+# Every component imports as the trainer imports it (no GPU is needed to import; a build against the
+# wrong torch fails here, not in the first run): Transformer Engine's PyTorch modules through the
+# trainer's own startup check (`import transformer_engine` alone swallows their ImportError).
+RUN python -c "import torch, vllm, megatron.core, apex, math_verify, modelopt.torch.quantization, megatron_alp.cli; \
+from megatron_alp.models.layer_spec import te_import_error; error = te_import_error(); \
+assert error is None, f'Transformer Engine: {error}'" \
+ && /opt/sglang/bin/python -c "import sglang" \
  && megatron-alp --help > /dev/null
 
 CMD ["bash"]

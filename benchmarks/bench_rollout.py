@@ -19,11 +19,17 @@ comparison run in one invocation and their ratios are printed side by side:
   one untimed warm-up) through shared-memory buckets, a safetensors folder in /dev/shm, or a
   broadcast of each bucket in a process group of the engine's own (gloo on the CPU; NCCL for
   ``--device cuda`` weights, which needs the engine on another GPU than the weights: not on a
-  one-GPU machine). Target: memory <= 0.5x the seconds of folder.
+  one-GPU machine). Target: memory <= 0.5x the seconds of folder;
+- ``--gather``: the trainer side of a sync, ``iter_hf_weights`` under torchrun (2 ranks, the model
+  at TP2 and then PP2), delivered to every rank (``receivers=None``, the HF export's way) and to the
+  replica leaders only (the weight sync's way): the MB each rank receives (counted at the
+  torch.distributed calls: others' all-gather parts, broadcasts from another rank, point-to-point
+  receives) and yields per sync, and s/sync, side by side (docs/scaling.md has the formula at scale).
 
     python benchmarks/bench_rollout.py                                   # CPU, tiny Qwen2
     python benchmarks/bench_rollout.py --replicas 1 2 --prompts 64 --max-tokens 256   # CPU, 2 cores
     python benchmarks/bench_rollout.py --sync-method memory folder broadcast --model-size 100m --syncs 10
+    python benchmarks/bench_rollout.py --gather --model-size 100m --syncs 5
     python benchmarks/bench_rollout.py --device cuda --model-size 1.5b --dtype bfloat16 \\
         --prompts 256 --max-tokens 512                                   # GPU machine (vLLM GPU build)
 
@@ -190,21 +196,27 @@ def report_cpu_scaling(k: int, device: str) -> None:
 
 def run_replica_job(model_dir: Path, args) -> dict:
     """This script again under torchrun (``--replica-job``), one rank per replica of the largest
-    count; the ranks' results come back through a JSON file rank 0 writes."""
+    count."""
     nproc = max(args.replicas)
     if any(nproc % r for r in args.replicas):
         sys.exit(f"--replicas {args.replicas}: every count must divide {nproc} (the job's ranks)")
-    job = model_dir.parent / "replica_job.json"
-    out = model_dir.parent / "replicas.json"
+    return {int(r): row for r, row in run_job(model_dir, args, nproc, "--replica-job").items()}
+
+
+def run_job(model_dir: Path, args, nproc: int, role: str) -> dict:
+    """This script again under torchrun on ``nproc`` ranks as ``role`` (``--replica-job``,
+    ``--gather-job``); the ranks' results come back through a JSON file rank 0 writes."""
+    job = model_dir.parent / "job.json"
+    out = model_dir.parent / "job_result.json"
     job.write_text(json.dumps({**vars(args), "model_dir": str(model_dir), "out": str(out)}))
     # The settings travel in a file: torchrun would take options such as --n for its own.
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "--master_port", str(free_port()), str(Path(__file__).resolve()), "--replica-job", str(job)]
+           "--master_port", str(free_port()), str(Path(__file__).resolve()), role, str(job)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"torchrun failed (rc={proc.returncode}):\n{(proc.stdout + proc.stderr)[-8000:]}")
-    return {int(r): row for r, row in json.loads(out.read_text()).items()}
+    return json.loads(out.read_text())
 
 
 def replica_worker(job: str) -> None:
@@ -271,6 +283,125 @@ def report_replicas(rows: dict) -> None:
         print(f"2 replicas / 1: tokens/s x{ratio:.2f} (target >= 1.6: {'met' if ratio >= 1.6 else 'NOT met'})")
 
 
+# --------------------------------------------------------------------------- weight gather
+
+GATHER_LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}
+
+
+class ReceivedBytes:
+    """While installed, counts the bytes this rank receives in the calls iter_hf_weights makes:
+    the other ranks' parts of an all-gather, a broadcast from another rank, a point-to-point receive."""
+
+    def __init__(self):
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d
+
+        self.count = 0
+        self._dist, self._c10d = dist, distributed_c10d
+        self._saved = (dist.all_gather, dist.broadcast, dist.irecv)
+        self._inside = False
+
+    def __enter__(self) -> "ReceivedBytes":
+        all_gather, broadcast, irecv = self._saved
+        rank = self._dist.get_rank()
+
+        def counting_all_gather(parts, tensor, *a, **kw):
+            self.count += sum(_nbytes(t) for t in parts) - _nbytes(tensor)
+            return all_gather(parts, tensor, *a, **kw)
+
+        def counting_broadcast(tensor, src=None, *a, **kw):
+            self.count += 0 if src == rank else _nbytes(tensor)
+            return broadcast(tensor, src, *a, **kw)
+
+        def counting_irecv(tensor, *a, **kw):
+            if self._inside:  # the CPU shims' torch-function mode calls irecv again, through this wrapper
+                return irecv(tensor, *a, **kw)
+            self.count += _nbytes(tensor)
+            self._inside = True
+            try:
+                return irecv(tensor, *a, **kw)
+            finally:
+                self._inside = False
+
+        self._install(counting_all_gather, counting_broadcast, counting_irecv)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._install(*self._saved)
+
+    def _install(self, all_gather, broadcast, irecv) -> None:
+        self._dist.all_gather, self._dist.broadcast, self._dist.irecv = all_gather, broadcast, irecv
+        self._c10d.irecv = irecv  # P2POp accepts only distributed_c10d's own irecv
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def gather_worker(job: str) -> None:
+    """One rank of the torchrun job: per layout, the model loaded from the HF folder, then
+    ``--syncs`` gathers to every rank and to the replica leaders, one untimed warm-up each."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_alp.config import ModelConfig, ParallelConfig
+    from megatron_alp.models.families import hf_to_megatron, load_hf_config
+    from megatron_alp.models.hf_weights import iter_hf_weights, load_hf_weights
+    from megatron_alp.rollout.placement import replica_layout
+    from megatron_alp.runtime.parallel import init_distributed
+    from megatron_alp.runtime.platform import has_gpu
+    from megatron_alp.training.builder import build_gpt_model
+
+    args = argparse.Namespace(**json.loads(Path(job).read_text()))
+    rows = {}
+    for name, (tp, pp) in GATHER_LAYOUTS.items():
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        init_distributed(par, seed=0)
+        world = dist.get_world_size()
+        model = build_gpt_model(hf_to_megatron(load_hf_config(args.model_dir)),
+                                ModelConfig(hf_path=args.model_dir, dtype=args.dtype, layer_spec="local"), par)
+        load_hf_weights(model, args.model_dir)
+        layout = replica_layout(rollout_config(args), world, world // (tp * pp), has_gpu())
+        leaders = [layout.leader(k) for k in range(layout.replicas)]
+        row = rows.setdefault(name, {"leader_ranks": leaders})
+        for way, receivers in (("everyone", None), ("leaders", leaders)):
+            for _ in iter_hf_weights(model, args.sync_bucket_mb << 20, receivers):
+                pass  # warm-up: the export plan, first-touch allocations
+            seconds, received, yielded = [], [], []
+            for _ in range(args.syncs):
+                dist.barrier()
+                t0 = time.perf_counter()
+                with ReceivedBytes() as traffic:
+                    yielded.append(sum(_nbytes(t) for _, t in iter_hf_weights(
+                        model, args.sync_bucket_mb << 20, receivers)))
+                seconds.append(time.perf_counter() - t0)
+                received.append(traffic.count)
+            if len(set(received)) > 1 or len(set(yielded)) > 1:
+                raise RuntimeError(f"{name} {way}: traffic differs between syncs: {received} {yielded}")
+            row[way] = {"received": received[0], "yielded": yielded[0], "seconds": statistics.median(seconds)}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, rows)
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(everyone))
+
+
+def report_gather(ranks: list, syncs: int) -> None:
+    print(f"weight gather per sync, {len(ranks)} ranks (median s of {syncs}): MB received / yielded by each rank")
+    print(f"{'layout':<7} {'rank':>4} {'leader':>6} | {'every rank: recv':>16} {'yield':>8} {'s':>7} | "
+          f"{'leaders only: recv':>18} {'yield':>8} {'s':>7}")
+    for layout in GATHER_LAYOUTS:
+        for rank, rows in enumerate(ranks):
+            row = rows[layout]
+            a, b = row["everyone"], row["leaders"]
+            print(f"{layout:<7} {rank:>4} {'yes' if rank in row['leader_ranks'] else 'no':>6} | "
+                  f"{a['received'] / 2**20:16.2f} {a['yielded'] / 2**20:8.2f} {a['seconds']:7.3f} | "
+                  f"{b['received'] / 2**20:18.2f} {b['yielded'] / 2**20:8.2f} {b['seconds']:7.3f}")
+        total = [sum(r[layout][way]["received"] for r in ranks) / 2**20 for way in ("everyone", "leaders")]
+        print(f"{layout:<7} {'all':>4} {'':>6} | {total[0]:16.2f} {'':>8} {'':>7} | {total[1]:18.2f}")
+
+
 # ------------------------------------------------------------------------------------- main
 
 def parse_args():
@@ -291,7 +422,12 @@ def parse_args():
     p.add_argument("--repeats", type=int, default=3, help="timed generate calls per replica count (median)")
     p.add_argument("--sync-method", nargs="+", choices=["memory", "folder", "broadcast"],
                    help="compare these sync methods")
+    p.add_argument("--gather", action="store_true",
+                   help="MB each rank receives and yields per sync gather, to every rank vs to the leaders")
+    p.add_argument("--sync-bucket-mb", type=int, default=RolloutConfig().sync_bucket_mb,
+                   help="rollout.sync_bucket_mb: the gather's bucket size (--gather)")
     p.add_argument("--replica-job", help=argparse.SUPPRESS)  # the torchrun ranks of --replicas
+    p.add_argument("--gather-job", help=argparse.SUPPRESS)  # the torchrun ranks of --gather
     return p.parse_args()
 
 
@@ -310,6 +446,8 @@ def main() -> None:
         sys.exit(f"--device {args.device} but torch.cuda.is_available() is {torch.cuda.is_available()}")
     if args.replica_job:
         return replica_worker(args.replica_job)
+    if args.gather_job:
+        return gather_worker(args.gather_job)
 
     with tempfile.TemporaryDirectory(prefix="bench_rollout_") as tmp:
         model_dir = make_tiny_model(args.family, Path(tmp) / "model", seed=0, dtype=args.dtype,
@@ -325,7 +463,9 @@ def main() -> None:
         if args.sync_method:
             report_sync_methods({m: bench_sync_method(m, model_dir, weights, args) for m in args.sync_method},
                                 args.syncs)
-        if not args.replicas and not args.sync_method:
+        if args.gather:
+            report_gather(run_job(model_dir, args, 2, "--gather-job"), args.syncs)
+        if not args.replicas and not args.sync_method and not args.gather:
             report_placements({p: bench_placement(p, model_dir, weights, args) for p in args.placements.split(",")})
 
 

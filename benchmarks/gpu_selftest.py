@@ -1,5 +1,6 @@
 """GPU self-test: a ~0.5B random Qwen2 trained for 3 RL iterations in each GPU configuration the
-machine allows, with throughput, weight-sync time and peak memory per phase.
+machine allows, with throughput, weight-sync time, and the memory of every phase of the phase table
+measured (``trainer.phase_ledger``) beside `megatron-alp plan`'s estimate of it.
 
     bash launch/gpu_selftest.sh            # or: python benchmarks/gpu_selftest.py [--out DIR]
 
@@ -25,8 +26,11 @@ import torch
 
 from megatron_alp.config import RolloutConfig
 from megatron_alp.models.tiny import make_tiny_model
+from megatron_alp.resolve import load_config
 from megatron_alp.rollout.sglang_engine import sglang_python
 from megatron_alp.runtime.parallel import free_port
+from megatron_alp.trainer.memory_plan import GiB, memory_plan
+from megatron_alp.trainer.phases import PHASES
 
 ROOT = Path(__file__).resolve().parents[1]
 # ~0.46B parameters: 24 layers of hidden 1024 / MLP 5504 (the tiny tokenizer keeps the vocabulary small).
@@ -38,7 +42,7 @@ COMMON = [
     "trainer.updates_per_iteration=2", "trainer.micro_batch_size=8", "trainer.progress_bar=false",
     "trainer.tensorboard=false", "trainer.eval_interval=0", "rollout.sampling.n=8",
     "rollout.sampling.max_response_length=256", "rollout.gpu_memory_utilization=0.4",
-    "rollout.enforce_eager=false", "rollout.verify_sync=true",
+    "rollout.enforce_eager=false", "rollout.verify_sync=true", "trainer.phase_ledger=true",
 ]
 REPORT = [("rollout tok/s", "throughput/rollout_tokens_per_s"), ("step s", "timing/total_s"),
           ("sync s", "sync/seconds"), ("offload s", "offload/seconds"),
@@ -73,7 +77,26 @@ def run_variant(name: str, nproc: int, overrides: list[str], model: Path, out: P
         return {"ok": False, "wall_s": wall, "error": (proc.stdout + proc.stderr)[-4000:] + "\n" + tail}
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = rows[-1]  # the first iteration includes the engine's warm-up
-    return {"ok": True, "wall_s": wall, **{label: last.get(key) for label, key in REPORT}}
+    return {"ok": True, "wall_s": wall, **{label: last.get(key) for label, key in REPORT},
+            "phases": phase_memory(run_dir, nproc)}
+
+
+def phase_memory(run_dir: Path, nproc: int) -> dict[str, dict]:
+    """Per phase of the table: the most GPU memory in use at its entry or exit on any rank, the
+    trainer allocator's peak inside it, and the plan's estimate of its row (which calibrates the plan)."""
+    measured: dict[str, dict] = {}
+    for ledger in sorted((run_dir / "phase_ledger").glob("rank_*.jsonl")):
+        for line in ledger.read_text().splitlines():
+            row = json.loads(line)
+            m = measured.setdefault(row["phase"], {"used_gib": 0.0, "trainer_peak_gib": 0.0})
+            m["used_gib"] = max(m["used_gib"], row.get("gpu_used_gib", 0.0))
+            m["trainer_peak_gib"] = max(m["trainer_peak_gib"], row.get("trainer_peak_gib", 0.0))
+    gpu_gib = torch.cuda.get_device_properties(0).total_memory / GiB
+    plan = memory_plan(load_config(run_dir / "config.yaml"), nproc, gpu_gib)
+    for name, m in measured.items():
+        row = plan.phase(PHASES[name].plan_row)
+        m["plan_gib"] = None if row.not_run else row.total / GiB
+    return measured
 
 
 def main() -> int:
@@ -98,6 +121,13 @@ def main() -> int:
     for name, r in results.items():
         cells = [f"{r[label]:.3g}" if isinstance(r.get(label), (int, float)) else "-" for label in labels]
         print(f"| {name} | " + " | ".join(cells if r["ok"] else ["FAILED"] * len(labels)) + " |")
+    for name, r in results.items():
+        if r["ok"]:
+            print(f"\n{name}: memory per phase (GiB; GPU in use: the most at the phase's entry or exit on any rank)")
+            print("| phase | GPU in use | trainer peak | plan |\n|---|---|---|---|")
+            for phase, m in r["phases"].items():
+                plan = f"{m['plan_gib']:.2f}" if m["plan_gib"] is not None else "-"
+                print(f"| {phase} | {m['used_gib']:.2f} | {m['trainer_peak_gib']:.2f} | {plan} |")
     for name, r in results.items():
         if not r["ok"]:
             print(f"\n--- {name} failed:\n{r['error']}")

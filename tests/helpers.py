@@ -29,3 +29,12 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 600, env: d
 
 def read_results(path: Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (an exited one that nobody reaped yet is not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")

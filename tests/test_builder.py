@@ -54,3 +54,32 @@ def test_layer_spec_never_falls_back_silently(monkeypatch):
     monkeypatch.setattr(layer_spec, "te_import_error", lambda: None)
     assert layer_spec.resolve_spec("auto") == "te"
 
+
+
+@pytest.mark.parametrize("pytorch_module, error", [
+    ("raise ImportError('flash_attn_2_cuda: undefined symbol _ZN3c10')", "ImportError: flash_attn_2_cuda"),
+    ("Linear = object", None),
+])
+def test_te_check_imports_the_pytorch_modules(tmp_path, monkeypatch, pytorch_module, error):
+    """A Transformer Engine whose PyTorch submodule fails to import still imports as a package (its
+    __init__ swallows the error, as TE's does); the startup check reports that submodule's error."""
+    import importlib
+    import sys
+
+    from megatron_alp.models import layer_spec
+
+    package = tmp_path / "transformer_engine"
+    (package / "pytorch").mkdir(parents=True)
+    (package / "__init__.py").write_text("try:\n    from . import pytorch\nexcept ImportError:\n    pass\n")
+    (package / "pytorch" / "__init__.py").write_text(pytorch_module + "\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m.split(".")[0] == "transformer_engine"]:
+        monkeypatch.delitem(sys.modules, name)
+    try:
+        assert importlib.import_module("transformer_engine").__file__.startswith(str(tmp_path))
+        sys.modules.pop("transformer_engine.pytorch", None)
+        got = layer_spec.te_import_error()
+    finally:
+        for name in [m for m in sys.modules if m.split(".")[0] == "transformer_engine"]:
+            sys.modules.pop(name)
+    assert (got is None) if error is None else got.startswith(error), got

@@ -25,6 +25,8 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     (("train", "configs/quickstart_cpu.yaml", "loss.name=ppo"), ["loss.name", "'ppo'", "alp_token"]),
     (("train", "configs/quickstart_cpu.yaml", "loss.nmae=grpo"), ["loss.nmae", "unknown key"]),
     (("train", ALP, "loss.name=grpo"), ["perturbation.enabled", "loss.name=grpo", "allow_with_baseline"]),
+    (("train", ALP, "rollout.placement=separate", "rollout.gpus=[4,5,6,7]", "rollout.sync_method=memory"),
+     ["rollout.sync_method: memory", "rollout.placement: separate"]),
     (("train", "configs/no_such.yaml"), ["configs/no_such.yaml", "does not exist"]),
     (("train", "configs/quickstart_cpu.yaml", "trainer.iterations"), ["KEY=VALUE"]),
     (("eval", "configs/quickstart_cpu.yaml", "--model", "/nonexistent/model"), ["/nonexistent/model"]),

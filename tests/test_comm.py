@@ -67,7 +67,7 @@ def test_a_tensor_parallel_update_passes_the_checker(checks):
 @pytest.mark.parametrize("layout, overrides", [
     ("dp2_ep2", ("model.tiny=qwen3_moe", "parallel.expert_model_parallel_size=2", "moe.routing_replay=r2",
                  "trainer.max_tokens_per_micro_batch=120")),
-    ("pp2", ("parallel.pipeline_model_parallel_size=2",)),
+    pytest.param("pp2", ("parallel.pipeline_model_parallel_size=2",), marks=pytest.mark.slow),
 ])
 def test_the_trainer_runs_under_the_checker(tmp_path, layout, overrides):
     """One CI-sized iteration: rollouts, the reward broadcast, logprob passes, updates with DP

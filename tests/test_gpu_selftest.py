@@ -28,3 +28,29 @@ def test_gpu_selftest_refuses_a_machine_without_gpu():
     proc = subprocess.run(["bash", str(ROOT / "launch" / "gpu_selftest.sh")], cwd=ROOT, capture_output=True,
                           text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable})
     assert proc.returncode == 2 and "no CUDA GPU visible" in proc.stderr
+
+
+def test_the_script_runs_the_self_test_once(tmp_path):
+    """launch/gpu_selftest.sh runs benchmarks/gpu_selftest.py itself (an hour on a GPU machine), then
+    the GPU suite without the test that would run it a second time."""
+    calls = tmp_path / "calls"
+    fake = tmp_path / "python"  # passes the GPU check and records every call instead of running it
+    fake.write_text(f"#!/usr/bin/env bash\nprintf '%s\\x1f' \"$@\" >> {calls}\necho >> {calls}\n")
+    fake.chmod(0o755)
+    proc = subprocess.run(["bash", str(ROOT / "launch" / "gpu_selftest.sh"), "--out", "somewhere"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "PYTHON": str(fake)})
+    assert proc.returncode == 0, proc.stderr
+    argvs = [line.split("\x1f")[:-1] for line in calls.read_text().splitlines()]
+    assert [a for a in argvs if "benchmarks/gpu_selftest.py" in a] == [["benchmarks/gpu_selftest.py", "--out", "somewhere"]]
+    suite = [a for a in argvs if a[:2] == ["-m", "pytest"]]
+    assert len(suite) == 1
+
+    def collected(args):
+        """The suite's selection, applied to this file only (collecting every test file takes a minute)."""
+        args = [str(ROOT / "tests" / "test_gpu_selftest.py") if a == "tests" else a for a in args]
+        out = subprocess.run([sys.executable, *args, "--collect-only", "-p", "no:cacheprovider"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120).stdout
+        return "test_gpu_selftest_runs_every_variant" in out
+
+    without_deselect = [a for i, a in enumerate(suite[0]) if "--deselect" not in suite[0][max(i - 1, 0):i + 1]]
+    assert collected(without_deselect) and not collected(suite[0])

@@ -1,4 +1,5 @@
-"""HF weight mapping of Megatron parameters: how each local parameter is split over tensor parallelism."""
+"""HF weight mapping of Megatron parameters: how each local parameter is split over tensor parallelism;
+the HF-tensor gather that delivers only to the ranks that ask for it."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+from helpers import read_results, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,3 +56,30 @@ def test_expert_weights_follow_the_rule_not_te_attributes():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def receiver_gathers(tmp_path_factory) -> dict:
+    path = tmp_path_factory.mktemp("hf_gather") / "result.json"
+    # under the collective-device checker: the point-to-point buckets sit where NCCL takes them on a GPU job
+    torchrun("check_hf_gather.py", str(path), env={"MEGATRON_ALP_CHECK_COLLECTIVE_DEVICES": "1"})
+    return read_results(path)
+
+
+@pytest.mark.parametrize("layout, family", [("tp2", "qwen3"), ("pp2", "qwen3"), ("ep2", "qwen3_moe")])
+def test_only_receivers_get_the_tensors_of_the_everyone_gather(receiver_gathers, layout, family):
+    """Two gloo ranks, receivers [0] then [1]: the receiver yields every HF tensor, bit for bit those
+    of the gather to every rank (checked in the script), and receives what that gather brought it;
+    the other rank yields nothing and receives only its TP all-gather share (none without TP)."""
+    from megatron_alp.models.families import hf_to_megatron
+    from megatron_alp.models.tiny import tiny_hf_config
+    from megatron_alp.models.weight_mapping import WeightMapping
+
+    hf_tensors = len(WeightMapping.from_args(hf_to_megatron(tiny_hf_config(family))).hf_names())
+    for receiver in (0, 1):
+        got = receiver_gathers[f"{layout}_to{receiver}_rank{receiver}"]
+        other = receiver_gathers[f"{layout}_to{receiver}_rank{1 - receiver}"]
+        assert got["tensors"] == got["everyone_tensors"] == hf_tensors
+        assert got["received"] == got["everyone_received"] > 0
+        assert other["tensors"] == other["bytes"] == 0
+        assert other["received"] == (other["everyone_received"] if layout == "tp2" else 0)

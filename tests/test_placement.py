@@ -15,6 +15,7 @@ from megatron_alp.rollout.placement import (
     replica_layout,
     trainer_cores,
 )
+from megatron_alp.rollout.vllm.engine import VLLMEngine
 
 
 def cfg(**kw) -> RolloutConfig:
@@ -161,3 +162,24 @@ def test_async_settings_that_cannot_work_are_refused_naming_the_keys():
         with pytest.raises(ConfigError, match=re.escape(message)):
             load_config(quick, list(overrides))
     load_config(quick, ["rollout.placement=separate", "trainer.max_staleness=2", "rollout.partial_rollout=true"])
+
+
+def test_sync_methods_that_cannot_reach_gpu_engines_are_refused_naming_both_keys():
+    """On GPUs a colocated engine's first worker shares the trainer rank's GPU (NCCL refuses two ranks
+    of one group there), and engines on GPUs of their own cannot open CUDA IPC handles of the trainer's
+    GPU. On the CPU both work (gloo, shared memory)."""
+    colocated_broadcast = cfg(sync_method="broadcast")
+    with pytest.raises(ConfigError, match="rollout.sync_method: broadcast with rollout.placement: colocated"):
+        replica_layout(colocated_broadcast, world=8, data_parallel=8, gpu=True)
+    assert replica_layout(colocated_broadcast, world=2, data_parallel=2, gpu=False) == ReplicaLayout(2, 1)
+    gpu_memory = cfg(placement="separate", gpus=[4, 5, 6, 7], sync_method="memory")
+    with pytest.raises(ConfigError, match="rollout.sync_method: memory with rollout.placement: separate"):
+        replica_layout(gpu_memory, world=4, data_parallel=4, gpu=True, local_world=4)
+    with pytest.raises(ConfigError, match="rollout.sync_method: memory with rollout.placement: separate"):
+        VLLMEngine.check_config(gpu_memory)  # config validation, wherever it runs: rollout.gpus says GPUs
+    cpu_memory = cfg(placement="separate", sync_method="memory")
+    VLLMEngine.check_config(cpu_memory)
+    VLLMEngine.check_config(colocated_broadcast)
+    assert replica_layout(cpu_memory, world=2, data_parallel=2, gpu=False).replicas == 1
+    for ok in (cfg(placement="separate", gpus=[4, 5, 6, 7], sync_method="broadcast"), cfg(sync_method="memory")):
+        replica_layout(ok, world=4, data_parallel=4, gpu=True, local_world=4)

@@ -201,3 +201,20 @@ def test_sglang_timeouts_and_long_prompts_are_errors(sglang_engine):
             engine.generate(PROMPTS, SamplingParams(n=4, max_tokens=64))
     finally:
         engine.cfg = saved
+
+
+def test_a_weight_sync_resumes_the_weights_only_and_generation_the_rest():
+    """SGLang resumes every kind of memory for a request without tags: a sync beside Megatron's state
+    asks for the weights only, and the next generation for what is still released."""
+    engine = object.__new__(SGLangEngine)
+    engine.cfg = sglang_cfg()
+    engine._asleep = set()
+    posts = []
+    engine._post = lambda path, body, timeout: posts.append((path, body))
+    engine.sleep()
+    engine.wake_up(tags=("weights",))
+    engine.wake_up(tags=("weights",))  # already awake: nothing to ask
+    engine.wake_up()
+    assert posts == [("/release_memory_occupation", {}),
+                     ("/resume_memory_occupation", {"tags": ["weights"]}),
+                     ("/resume_memory_occupation", {"tags": ["cuda_graph", "kv_cache"]})]

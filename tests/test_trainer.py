@@ -240,6 +240,7 @@ def dynamic_sampling_run(tmp_path_factory) -> Path:
     return run
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_trains_full_batches_of_groups_whose_rewards_differ(dynamic_sampling_run):
     m = metrics(dynamic_sampling_run)
     assert [r["iteration"] for r in m] == [0, 1]
@@ -255,6 +256,7 @@ def test_dynamic_sampling_trains_full_batches_of_groups_whose_rewards_differ(dyn
     assert min(r["dynamic_sampling/kept_frac"] for r in m) < 1
 
 
+@pytest.mark.slow
 def test_overlong_punishment_enters_the_reward(dynamic_sampling_run, tmp_path):
     """With the buffer as long as the budget every response is punished in proportion to its
     length, so the mean punishment is known from the mean length."""
@@ -415,11 +417,19 @@ def _check_matches_one_rank(layout: str, got: list[dict], reference: list[dict])
         assert got[0][key] == pytest.approx(base[0][key], rel=2e-2), (layout, key, got[0][key], base[0][key])
 
 
-def test_tensor_and_pipeline_parallel_training_reproduces_the_one_rank_run(quickstart_run, tmp_path):
-    """`megatron-alp train` on 2 gloo ranks (TP2+SP, PP2, DP2 with full activation recomputation and
-    packed, cost-balanced micro-batches), vLLM in its engine-core subprocess on rank 0."""
+@pytest.mark.slow
+def test_tensor_parallel_training_reproduces_the_one_rank_run(quickstart_run, tmp_path):
+    """`megatron-alp train` on 2 gloo ranks with TP2+SP, vLLM in its engine-core subprocess on rank 0
+    (the default suite checks the parallel layouts at the update: tests/test_policy_update.py)."""
+    _train_two_ranks(tmp_path / "tp2_sp", quickstart_run, "trainer.iterations=2", *TP2_SP)
+    _check_matches_one_rank("tp2_sp", metrics(tmp_path / "tp2_sp"), metrics(quickstart_run))
+
+
+@pytest.mark.slow
+def test_pipeline_parallel_and_packed_data_parallel_training_reproduce_the_one_rank_run(quickstart_run, tmp_path):
+    """PP2, and DP2 with full activation recomputation and packed, cost-balanced micro-batches."""
     reference = metrics(quickstart_run)
-    layouts = {"tp2_sp": TP2_SP, "pp2": PP2, "dp2_recompute_packed": RECOMPUTE + PACKED}
+    layouts = {"pp2": PP2, "dp2_recompute_packed": RECOMPUTE + PACKED}
     for layout, overrides in layouts.items():
         _train_two_ranks(tmp_path / layout, quickstart_run, "trainer.iterations=2", *overrides)
         _check_matches_one_rank(layout, metrics(tmp_path / layout), reference)
@@ -493,6 +503,7 @@ def test_dynamic_sampling_fills_asynchronous_batches(dynamic_sampling_run, tmp_p
     assert 0 < r["staleness/mean"] <= 1 and (r["staleness/mean"] == 1 or r["dynamic_sampling/rounds"] > 0), r
 
 
+@pytest.mark.slow
 def test_sigkill_mid_async_iteration_resumes(tmp_path):
     """max_staleness=1: a SIGKILL while the next batch is generating loses nothing that was trained
     on. The checkpoint restarts the prompt sampler before the batch that was in flight (drawn again
@@ -588,6 +599,7 @@ def test_warm_start_leaves_out_the_box_on_a_fraction_of_prompts(tmp_path):
         warmup_examples(prompts, tok, "tir", unboxed=0.5)
 
 
+@pytest.mark.slow
 def test_async_quickstart_reward_rises(quickstart_run, tmp_path):
     """The quickstart task trained asynchronously (max_staleness=1, the engine on its own core) for
     12 iterations: the reward of the last 5 is at least 1.5x that of the first 5 (seed 1: 0.078 ->

@@ -34,6 +34,22 @@ def rollout_cfg(**overrides) -> RolloutConfig:
     return RolloutConfig(**{**base, **overrides})
 
 
+def test_chunked_prefill_is_turned_off_only_on_the_cpu():
+    """On the CPU a chunked prefill would rewind seeded generators, which CPU generators cannot do; on
+    GPUs vLLM's default stays (off there, it may crash or give wrong outputs and forces the token
+    budget up to the context), with routed experts too."""
+    from megatron_alp.rollout.vllm.engine import llm_kwargs
+
+    def kwargs(gpu, routing=False):
+        return llm_kwargs(rollout_cfg(), model="m", tokenizer="t", seed=0, max_model_len=256, quantization={},
+                          gpu=gpu, return_routing=routing)
+
+    assert kwargs(gpu=False)["enable_chunked_prefill"] is False
+    for gpu_kwargs in (kwargs(gpu=True), kwargs(gpu=True, routing=True)):
+        assert "enable_chunked_prefill" not in gpu_kwargs and "gpu_memory_utilization" in gpu_kwargs
+    assert kwargs(gpu=True, routing=True)["enable_return_routed_experts"] is True
+
+
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("rollout_models")
@@ -292,6 +308,7 @@ def test_subprocess_engine_takes_weights_in_memory_buckets_and_asks_for_a_resync
     assert not list(Path("/dev/shm").glob(f"megatron-alp-{os.getpid()}-*")), "bucket segment left behind"
 
 
+@pytest.mark.slow
 def test_subprocess_engine_survives_its_death_and_keeps_synced_weights(model_dirs):
     """With ``rollout.sync_method: folder`` the engine-core process is SIGKILLed mid-run: the next
     request restarts it from the last synced weight folder and completes; with no retries left

@@ -2,6 +2,10 @@
 
 import subprocess
 import sys
+import time
+from pathlib import Path
+
+from helpers import running
 
 from megatron_alp.rollout.vllm.plugin import RECHECK_MS, SLEEP_WHEN_IDLE
 
@@ -31,3 +35,56 @@ def test_vllm_processes_of_our_engine_sleep_when_idle_and_others_are_untouched()
     base = {k: v for k, v in os.environ.items() if k != SLEEP_WHEN_IDLE}
     assert busy_loop_and_recheck(base) == (1, 5000)
     assert busy_loop_and_recheck({**base, SLEEP_WHEN_IDLE: "1"}) == (0, RECHECK_MS) and RECHECK_MS <= 10
+
+
+ENGINE_CHILD = """
+import sys, time
+from megatron_alp.config import RolloutConfig, SamplingConfig
+from megatron_alp.models.tiny import make_tiny_model
+from megatron_alp.rollout import build_engine
+model = make_tiny_model("qwen2", sys.argv[1], seed=3)
+cfg = RolloutConfig(dtype="float32", max_model_len=128, engine_process="subprocess",
+                    sampling=SamplingConfig(max_prompt_length=64, max_response_length=64))
+engine = build_engine(cfg, str(model), seed=0)
+print("engine pids", *engine.engine_pids(), flush=True)
+time.sleep(600)
+"""
+
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            todo += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def test_engine_processes_end_when_the_rank_that_started_them_is_killed(tmp_path):
+    """A rank (here a child process) starts our vLLM engine in its engine-core subprocess and is
+    killed by SIGKILL, which it cannot handle: the engine core (whose parent the rank was) and its
+    workers end within seconds instead of running on as orphans."""
+    log = tmp_path / "rank.log"
+    with log.open("w") as out:  # a file, not a pipe: nothing dies of a reader that went away
+        rank = subprocess.Popen([sys.executable, "-c", ENGINE_CHILD, str(tmp_path / "model")], stdout=out,
+                                stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while "engine pids" not in log.read_text() and rank.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        line = [x for x in log.read_text().splitlines() if x.startswith("engine pids")]
+        assert line, log.read_text()[-4000:]
+        engine = [int(p) for p in line[0].split()[2:]]
+        assert engine and all(running(p) for p in engine)
+        processes = [p for e in engine for p in descendants(e)]
+        assert set(processes) <= set(descendants(rank.pid))
+    finally:
+        rank.kill()
+        rank.wait()
+    deadline = time.monotonic() + 15
+    while any(running(p) for p in processes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in processes if running(p)], "the engine's processes outlived their rank"

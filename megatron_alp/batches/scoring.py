@@ -7,13 +7,13 @@ trainer's collective form: global rank 0 scores and every rank receives the rewa
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
-import torch.distributed as dist
 
 from megatron_alp.config import Config
 from megatron_alp.rewards import RewardFn
 from megatron_alp.rewards.overlong import overlong_penalty
-from megatron_alp.runtime.comm import comm_device
 
 
 def overlong_penalties(cfg: Config, trajectories) -> list[float]:
@@ -40,11 +40,11 @@ class Scorer:
         self.cfg = cfg
         self.reward_fn = reward_fn  # on global rank 0 only
 
-    def __call__(self, trajectories, prompts) -> torch.Tensor:
-        """``[len(trajectories)]`` float32 rewards on the CPU, the same on every rank."""
-        rewards = torch.zeros(len(trajectories), dtype=torch.float32, device=comm_device())
-        if self.reward_fn is not None:
-            scores = score(self.cfg, self.reward_fn, trajectories, prompts)
-            rewards = torch.tensor(scores, dtype=torch.float32, device=comm_device())
-        dist.broadcast(rewards, src=0)
-        return rewards.cpu()
+    def __call__(self, trajectories, prompts, broadcast: Callable[[Any], Any]) -> torch.Tensor:
+        """``[len(trajectories)]`` float32 rewards on the CPU, the same on every rank. ``broadcast``:
+        rank 0's object on every rank over a CPU (gloo) group, the rollout's
+        (:meth:`~megatron_alp.rollout.distributed.DistributedRollout.broadcast`): the other ranks wait
+        there while rank 0 scores, which may take minutes, and an NCCL collective would hold them
+        under its watchdog's timeout."""
+        scores = score(self.cfg, self.reward_fn, trajectories, prompts) if self.reward_fn is not None else None
+        return torch.tensor(broadcast(scores), dtype=torch.float32)

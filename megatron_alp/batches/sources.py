@@ -76,7 +76,7 @@ class OnPolicy(BatchSource):
         for t in trajectories:
             t.policy_version = self.rollout.version
         t1 = time.time()
-        rewards = self.scorer(trajectories, chosen)
+        rewards = self.scorer(trajectories, chosen, self.rollout.broadcast)
         _tally(stats, "timing/rollout_s", t1 - t0)
         _tally(stats, "timing/reward_s", time.time() - t1)
         _tally(stats, "rollout/response_tokens", _response_tokens(trajectories))
@@ -145,7 +145,7 @@ class AheadByK(BatchSource):
                 t.policy_version = version
                 trajectories.append(t)
         t1 = time.time()
-        rewards = self.scorer(trajectories, submitted.prompts)
+        rewards = self.scorer(trajectories, submitted.prompts, self.rollout.broadcast)
         _tally(stats, "timing/reward_s", time.time() - t1)
         _tally(stats, "rollout/response_tokens", _response_tokens(trajectories))
         return Groups(submitted.prompts, trajectories, rewards)

@@ -413,8 +413,8 @@ class RolloutConfig(_Section):
     quantization: Literal["none", "fp8", "fp8_per_channel"] = Field(
         "none",
         description="Weight quantization of the rollout engine (vLLM only), to stress mismatch as in the "
-        "paper: `fp8` is vLLM's online FP8 (E4M3 weights with one scale per tensor, dynamic per-tensor "
-        "activation scales; GPU only) and `fp8_per_channel` FP8 weights with one scale per output channel "
+        "paper: `fp8` is vLLM's online per-tensor FP8 (`fp8_per_tensor`: E4M3 weights with one scale per tensor, "
+        "dynamic per-tensor activation scales; GPU only) and `fp8_per_channel` FP8 weights with one scale per output channel "
         "and dynamic per-token activation scales (GPU and CPU). Both re-quantize after every weight sync. "
         "SGLang refuses both (its online FP8 cannot take weight updates).",
     )
@@ -843,6 +843,14 @@ class TrainerConfig(_Section):
         True,
         description="Run the unperturbed old-policy logprob pass every iteration even when the loss "
         "does not need it, for the train-vs-rollout mismatch metrics and token-probability dumps.",
+    )
+    phase_ledger: bool = Field(
+        False,
+        description="Write what each rank holds at every phase entry (Megatron state measured from its storages, "
+        "the engine memory awake; on GPUs the memory in use and the trainer's peak) to "
+        "RUN/phase_ledger/rank_<r>.jsonl. The offload moves of rollout.offload_* then run on the CPU too, so a CPU "
+        "run checks that the trainer follows the phase table (megatron_alp/trainer/phases.py); the GPU self-test "
+        "compares the measured peaks with `megatron-alp plan`.",
     )
     token_prob_samples: int = Field(
         20000, ge=0, description="Token (train, rollout) probability pairs saved per iteration for plots."

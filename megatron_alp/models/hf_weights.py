@@ -5,7 +5,8 @@ a time: only the tensors this rank needs are read, and a shard file is closed (u
 as no remaining parameter needs it, so memory stays at the model stage plus one parameter's
 inputs. :func:`iter_hf_weights` is the inverse, used by the HF export and by the rollout engine's
 weight sync: a collective that gathers each tensor across TP, EP and PP in bounded buckets and
-yields HF-named full tensors. Both place weights by :mod:`megatron_alp.models.weight_mapping`.
+yields HF-named full tensors, on every rank or only on the ranks that ask for them (the engines'
+leaders). Both place weights by :mod:`megatron_alp.models.weight_mapping`.
 :func:`write_hf_folder` writes such a stream as an HF directory, for the export and for the
 rollout engines that reload from disk alike. Megatron-Core is imported inside the functions that
 use it: the rollout engines (and so config validation) import this module.
@@ -283,7 +284,8 @@ def load_hf_weights(model, hf_dir) -> None:
 
 
 class _ExportPlan:
-    """Who owns which full tensor: (pipeline stage, expert-parallel rank or None), plus shapes."""
+    """Who owns which full tensor: (pipeline stage, expert-parallel rank or None), plus shapes,
+    and the (pipeline stage, expert-parallel rank) of every global rank."""
 
     def __init__(self, model, mapping: WeightMapping):
         from megatron.core import parallel_state as ps
@@ -297,9 +299,10 @@ class _ExportPlan:
             for name, p in self.local.items()
         }
         parts: list = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, mine)
+        dist.all_gather_object(parts, ((pp_rank, ep_rank), mine))
+        self.coords = [coords for coords, _ in parts]
         owners: dict = {}
-        for part in parts:
+        for _, part in parts:
             owners.update(part)
         self.entries = []
         for m in mapping.matches():
@@ -323,6 +326,16 @@ class _ExportPlan:
         if bucket:
             yield bucket
 
+    def sources(self, stage: int, ep_owner: Optional[int], receivers: list[int]) -> dict[int, int]:
+        """Receiver -> the owner that sends it the buckets of (``stage``, ``ep_owner``), for each
+        receiver that owns none: the receivers in rank order dealt round robin over the owners (every
+        rank of that stage, and expert-parallel rank, holds the bucket after the TP all-gather), so
+        no owner serves more than its share of receivers."""
+        owners = [r for r, (pp, ep) in enumerate(self.coords)
+                  if pp == stage and (ep_owner is None or ep == ep_owner)]
+        needy = [r for r in receivers if r not in owners]
+        return {r: owners[i % len(owners)] for i, r in enumerate(needy)}
+
 
 def _tied_copy(p: _Param) -> bool:
     return p.name == "output_layer.weight" and p.match.name == "embedding.word_embeddings.weight"
@@ -335,15 +348,20 @@ def _numel(shape) -> int:
     return n
 
 
-def iter_hf_weights(model, bucket_bytes: int = 512 << 20) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, full tensor)`` for the whole model, in HF file order, on every rank.
+def iter_hf_weights(model, bucket_bytes: int = 512 << 20, receivers: Optional[Iterable[int]] = None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full tensor)`` for the whole model, in HF file order, on every rank of
+    ``receivers`` (global ranks, the same on every rank; None: every rank).
 
     Collective: every rank of the job must iterate it to the end. Tensors are gathered across TP
-    (all-gather; the fused QKV and gate/up layouts are undone by the mapping), across EP (broadcast
-    from the expert's owner) and PP (broadcast from the owning stage) in buckets of at most
-    ``bucket_bytes``. Yielded tensors may be views into their bucket's buffer, which is freshly
-    allocated per bucket and never overwritten: keeping one keeps its bucket alive. ALP sigmas
-    are never yielded.
+    (all-gather; the fused QKV and gate/up layouts are undone by the mapping) in buckets of at most
+    ``bucket_bytes``. With ``receivers=None`` each bucket is then broadcast across EP (from the
+    expert's owner) and PP (from the owning stage). Otherwise only the receivers get it, point to
+    point from one owner each (:meth:`_ExportPlan.sources`): a rank that neither owns nor receives
+    a bucket skips it, so the ranks that feed no engine move only their TP all-gather share instead
+    of the whole model. Yielded tensors may be views into their bucket's buffer, which is freshly
+    allocated per bucket and never overwritten: keeping one keeps its bucket alive. ALP sigmas are
+    never yielded.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.utils import unwrap_model
@@ -353,6 +371,10 @@ def iter_hf_weights(model, bucket_bytes: int = 512 << 20) -> Iterator[tuple[str,
     if plan is None:
         plan = _ExportPlan(model, WeightMapping.from_model(model))
         model._hf_export_plan = plan
+    rank = dist.get_rank()
+    wanted = None if receivers is None else sorted(set(receivers))
+    if wanted and not 0 <= wanted[0] <= wanted[-1] < dist.get_world_size():
+        raise ValueError(f"receivers {wanted}: not ranks of this {dist.get_world_size()}-rank job")
     pp_rank = ps.get_pipeline_model_parallel_rank()
     pp_size = ps.get_pipeline_model_parallel_world_size()
     ep_rank = ps.get_expert_model_parallel_rank() if model.config.num_moe_experts else 0
@@ -361,24 +383,46 @@ def iter_hf_weights(model, bucket_bytes: int = 512 << 20) -> Iterator[tuple[str,
     with torch.no_grad():
         for bucket in plan.buckets(bucket_bytes):
             _, stage, ep_owner, _, dtype = bucket[0]
+            owner = pp_rank == stage and (ep_owner is None or ep_owner == ep_rank)
+            if wanted is not None:
+                sources = plan.sources(stage, ep_owner, wanted)
+                if not owner and rank not in sources:
+                    continue
             sizes = [_numel(e[3]) for e in bucket]
             flat = torch.empty(sum(sizes), dtype=dtype, device=device)
-            if pp_rank == stage and (ep_owner is None or ep_owner == ep_rank):
+            if owner:
                 offset = 0
                 for (m, *_), n in zip(bucket, sizes):
                     p = plan.local[m.name]
                     full = gather_tp(p.param.detach(), m.name, p.partition_dim, p.group, gated=True)
                     flat[offset: offset + n].copy_(full.reshape(-1))
                     offset += n
-            if ep_owner is not None and ep_size > 1 and pp_rank == stage:
-                group = ps.get_expert_model_parallel_group()
-                dist.broadcast(flat, src=dist.get_global_rank(group, ep_owner), group=group)
-            if pp_size > 1:
-                group = ps.get_pipeline_model_parallel_group()
-                dist.broadcast(flat, src=dist.get_global_rank(group, stage), group=group)
+            if wanted is None:
+                if ep_owner is not None and ep_size > 1 and pp_rank == stage:
+                    group = ps.get_expert_model_parallel_group()
+                    dist.broadcast(flat, src=dist.get_global_rank(group, ep_owner), group=group)
+                if pp_size > 1:
+                    group = ps.get_pipeline_model_parallel_group()
+                    dist.broadcast(flat, src=dist.get_global_rank(group, stage), group=group)
+            else:
+                _send_to_receivers(flat, rank, sources)
+                if rank not in wanted:
+                    continue
             for (m, _, _, shape, _), piece in zip(bucket, torch.split(flat, sizes)):
                 yield from plan.mapping.to_hf(m, piece.view(shape))
             del flat
+
+
+def _send_to_receivers(flat: torch.Tensor, rank: int, sources: dict[int, int]) -> None:
+    """This rank's part of one bucket's delivery (``sources``: receiver -> owner): the sends it was
+    dealt and its receive, on the default group, whose backend takes the bucket on the model's
+    device (NCCL on GPUs, gloo on the CPU)."""
+    ops = [dist.P2POp(dist.isend, flat, dst) for dst, src in sources.items() if src == rank]
+    if rank in sources:
+        ops.append(dist.P2POp(dist.irecv, flat, sources[rank]))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
 
 
 # ----------------------------------------------------------------------------------- writing

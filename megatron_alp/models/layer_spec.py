@@ -24,9 +24,12 @@ from megatron_alp.runtime.platform import has_gpu
 
 
 def te_import_error() -> str | None:
-    """Why Transformer Engine cannot be imported here, or None when it can."""
+    """Why Transformer Engine's PyTorch modules cannot be imported here, or None when they can.
+    ``transformer_engine.pytorch`` is what Megatron-Core uses; ``import transformer_engine`` alone
+    swallows that submodule's ImportError (e.g. a flash-attn built for another torch), and the run
+    would die later in Megatron-Core with an AttributeError."""
     try:
-        import transformer_engine  # noqa: F401
+        import transformer_engine.pytorch  # noqa: F401
     except Exception as err:  # a broken build raises more than ImportError (missing CUDA symbols)
         return f"{type(err).__name__}: {err}"
     return None

@@ -11,6 +11,7 @@ import torch
 
 from megatron_alp.config import RolloutConfig
 from megatron_alp.data.trajectory import check_routing
+from megatron_alp.rollout.placement import check_sync_placement
 
 
 @dataclass(frozen=True)
@@ -166,8 +167,9 @@ class RolloutEngine(abc.ABC):
     def sleep(self) -> None:
         """Free accelerator memory (KV cache, weights) while the trainer runs, where supported."""
 
-    def wake_up(self) -> None:
-        """Undo :meth:`sleep` before the next generation."""
+    def wake_up(self, tags: Optional[tuple[str, ...]] = None) -> None:
+        """Undo :meth:`sleep`: all of it (``tags`` None) before a generation, or only ``("weights",)``
+        for a weight sync, so the KV cache stays freed beside Megatron's state."""
 
     def shutdown(self) -> None:
         """Release the engine (processes, memory)."""
@@ -184,6 +186,7 @@ class RolloutEngine(abc.ABC):
         if cfg.sync_method is not None and cfg.sync_method not in cls.sync_methods:
             raise ValueError(f"rollout.sync_method={cfg.sync_method} is not available with rollout.engine="
                              f"{cls.name} (it supports: {', '.join(cls.sync_methods)})")
+        check_sync_placement(cfg, gpu=False)
         if cfg.partial_rollout and not cls.partial_rollouts:
             raise ValueError(f"rollout.partial_rollout is not available with rollout.engine={cls.name} (its "
                              "generations cannot pause for a weight update)")

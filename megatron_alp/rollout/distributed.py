@@ -28,9 +28,11 @@ waiting.
   ``free_memory_during_training`` is set.
 
 Weight sync streams :func:`megatron_alp.models.hf_weights.iter_hf_weights` (TP/PP/EP gathered in
-``sync_bucket_mb`` buckets on every rank, ALP sigmas skipped); every replica's leader hands the
-buckets to its engine in memory (``rollout.sync_method``). With ``verify_sync`` every replica
-samples a short probe that the Megatron model scores; each must agree.
+``sync_bucket_mb`` buckets, ALP sigmas skipped) to the replica leaders only, who hand the buckets
+to their engines (``rollout.sync_method``); the other ranks take part in the gathers and receive
+nothing else. With ``verify_sync`` every replica samples a short probe that the Megatron model
+scores; each must agree. A resync after an engine restart and the verification each run in their
+own phase of the trainer's phase table (``phase``).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 import torch.distributed as dist
 
@@ -117,8 +119,13 @@ class DistributedRollout:
     """Every trainer rank calls every method (collective); see the module docstring."""
 
     def __init__(self, cfg: RolloutConfig, model_dir: str, seed: int, scorer: Optional[Scorer] = None,
-                 version: int = 0, background: bool = False):
+                 version: int = 0, background: bool = False,
+                 phase: Callable[[str], ContextManager] = lambda name: contextlib.nullcontext()):
         self.cfg = cfg
+        # the trainer's phase runner (megatron_alp/trainer/phases.py): a resync after an engine restart
+        # and a sync verification each run in their own phase, with the memory the phase table gives them
+        self.phase = phase
+        self.memory = "awake"  # what of the colocated engines' memory is awake: asleep, weights or awake
         self.version = version  # the weight version the engines hold (trainer iterations)
         self.model_dir = str(model_dir)
         self.scorer = scorer
@@ -284,7 +291,8 @@ class DistributedRollout:
                                    f"could not be resynced: {outcomes[k][1]}")
             if resync:
                 resyncs += 1
-                self.sync_weights(self._models, self.version)
+                with self.phase("engine_restart_resync"):
+                    self.sync_weights(self._models, self.version)
         batch.results = [results[i] for i in range(len(batch.prompts))]
         batch.versions = [versions[i] for i in range(len(batch.prompts))]
         lengths = [len(x.response_ids) for g in batch.results for x in g]
@@ -325,21 +333,26 @@ class DistributedRollout:
             # engine is free: the weight gather below runs on the trainer's groups, whose timeouts would not
             self._gather(None)
             waited = time.time() - t0
-            stream = WeightStream(iter_hf_weights(model, self.cfg.sync_bucket_mb << 20))
+            # only the leaders feed an engine: the other ranks help gather and receive no full tensor
+            leaders = [self.layout.leader(k) for k in range(self.replicas)]
+            stream = WeightStream(iter_hf_weights(model, self.cfg.sync_bucket_mb << 20, receivers=leaders))
             if self.engine is not None:
                 try:
                     self.engine.update_weights(stream)
                 except Exception as err:
                     error = err
             stream.drain()  # every rank reaches the end of the collective, even after an engine error
-        self._check(self._gather(_picklable(error)), error, "weight sync")
+        outcomes = self._gather((_picklable(error), stream.bytes, stream.tensors))
+        self._check([failure for failure, _, _ in outcomes], error, "weight sync")
         self._models = models
         self.version = version
         seconds = time.time() - t0 - waited
-        stats = {"sync/seconds": seconds, "sync/wait_s": waited, "sync/bytes": float(stream.bytes),
-                 "sync/tensors": float(stream.tensors), "sync/gbps": stream.bytes / max(seconds, 1e-9) / 1e9}
+        _, nbytes, tensors = outcomes[0]  # what each engine received, the same on every rank
+        stats = {"sync/seconds": seconds, "sync/wait_s": waited, "sync/bytes": float(nbytes),
+                 "sync/tensors": float(tensors), "sync/gbps": nbytes / max(seconds, 1e-9) / 1e9}
         if self.cfg.verify_sync:
-            stats.update(self.verify(model))
+            with self.phase("sync_verification"):
+                stats.update(self.verify(model))
         return stats
 
     def verify(self, model) -> dict:
@@ -380,14 +393,28 @@ class DistributedRollout:
 
     # --------------------------------------------------------------------------- lifecycle
 
+    def set_memory(self, state: str) -> None:
+        """Put the colocated engines' memory in ``state``: ``asleep`` (weights and KV cache freed
+        while the trainer trains), ``weights`` (the weights awake for a sync, no KV cache) or
+        ``awake``. Separate engines, and engines told not to free memory, stay awake."""
+        if self.cfg.placement != "colocated" or not self.cfg.free_memory_during_training:
+            state = "awake"
+        if state == self.memory:
+            return
+        if self.engine is not None:
+            if state == "asleep" or (state == "weights" and self.memory == "awake"):
+                self.engine.sleep()
+            if state == "weights":
+                self.engine.wake_up(tags=("weights",))
+            elif state == "awake":
+                self.engine.wake_up()
+        self.memory = state
+
     def sleep(self) -> None:
-        """Colocated engines free their memory while the trainer trains; separate ones keep theirs."""
-        if self.engine is not None and self.cfg.placement == "colocated":
-            self.engine.sleep()
+        self.set_memory("asleep")
 
     def wake_up(self) -> None:
-        if self.engine is not None and self.cfg.placement == "colocated":
-            self.engine.wake_up()
+        self.set_memory("awake")
 
     def shutdown(self) -> None:
         if self.producer is not None:

@@ -59,6 +59,7 @@ def replica_layout(cfg: RolloutConfig, world: int, data_parallel: int, gpu: bool
                    local_world: Optional[int] = None) -> ReplicaLayout:
     """Resolve ``rollout.replicas`` for a job of ``world`` ranks, ``local_world`` per node (default:
     all on one node); ConfigError when it cannot be placed."""
+    check_sync_placement(cfg, gpu)
     tp = cfg.tensor_parallel_size
     local_world = local_world or world
     if cfg.placement == "separate" and gpu:
@@ -72,6 +73,20 @@ def replica_layout(cfg: RolloutConfig, world: int, data_parallel: int, gpu: bool
         raise ConfigError(f"rollout.replicas={replicas} on {world} GPUs leaves {stride} GPU(s) per replica, "
                           f"fewer than rollout.tensor_parallel_size={tp}")
     return ReplicaLayout(replicas=replicas, stride=stride)
+
+
+def check_sync_placement(cfg: RolloutConfig, gpu: bool) -> None:
+    """Refuse a ``rollout.sync_method`` that cannot work where the engines are placed on GPUs
+    (``gpu``: this is a GPU job; engines on GPUs of their own, ``rollout.gpus``, say so in the config
+    alone). On the CPU both combinations work (gloo broadcasts, shared memory)."""
+    if cfg.sync_method == "broadcast" and cfg.placement == "colocated" and gpu:
+        raise ConfigError("rollout.sync_method: broadcast with rollout.placement: colocated puts the trainer's rank "
+                          "and the engine's first worker on one GPU, two ranks of one NCCL group, which NCCL refuses; "
+                          "use rollout.sync_method memory (CUDA IPC) or folder, or rollout.placement separate")
+    if cfg.sync_method == "memory" and cfg.placement == "separate" and (gpu or cfg.gpus):
+        raise ConfigError("rollout.sync_method: memory with rollout.placement: separate hands the engines CUDA IPC "
+                          "handles of the trainer's GPU, which engines on GPUs of their own (rollout.gpus) cannot "
+                          "see; use rollout.sync_method broadcast (NCCL) or folder, or rollout.placement colocated")
 
 
 def auto_replicas(cfg: RolloutConfig, world: int, data_parallel: int, gpu: bool, local_world: int) -> int:

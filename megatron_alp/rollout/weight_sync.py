@@ -1,7 +1,8 @@
 """Trainer -> rollout-engine weight transfer, and the check that engine and trainer agree.
 
 The trainer's side is :func:`megatron_alp.models.hf_weights.iter_hf_weights`: a collective that
-gathers TP/PP/EP shards in bounded buckets and yields ``(HF name, full tensor)`` on every rank.
+gathers TP/PP/EP shards in bounded buckets and yields ``(HF name, full tensor)`` on the ranks that
+receive them (the replica leaders, in the weight sync).
 This module adapts that stream for the engines:
 
 - :class:`WeightStream` drops ALP sigmas (Megatron-only state; the exporter already skips them,
@@ -38,6 +39,7 @@ import torch
 
 from megatron_alp.models.hf_weights import write_hf_folder
 from megatron_alp.models.weight_mapping import is_sigma
+from megatron_alp.runtime.process import alive
 
 # Copied next to the weights so the folder is a loadable model directory (engine restarts).
 _CONFIG_FILES = ("config.json", "generation_config.json")
@@ -192,7 +194,7 @@ def remove_orphaned_segments(prefix: str, root: str = "/dev/shm") -> list[str]:
         return removed
     for name in names:
         m = pattern.fullmatch(name)
-        if m is None or _alive(int(m.group(1))):
+        if m is None or alive(int(m.group(1))):
             continue
         try:
             os.unlink(os.path.join(root, name))
@@ -200,16 +202,6 @@ def remove_orphaned_segments(prefix: str, root: str = "/dev/shm") -> list[str]:
         except OSError:  # removed meanwhile, or not ours to remove
             pass
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
 
 
 def _map_shm(name: str) -> mmap.mmap:

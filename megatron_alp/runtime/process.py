@@ -5,6 +5,8 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import threading
+import time
 
 _forking_parent = None
 
@@ -26,3 +28,35 @@ def forks_die_with_their_parent() -> None:
             os._exit(1)
 
     os.register_at_fork(before=before, after_in_child=in_child)
+
+
+def end_with_parent(origin: int, grace_s: float = 5.0, poll_s: float = 0.5) -> None:
+    """End this process when its parent ends, or when process ``origin`` (the one that started the
+    tree this process belongs to) is gone already: SIGTERM to itself first (vLLM's engine core
+    handles it by stopping its workers and freeing its shared memory), SIGKILL ``grace_s`` later.
+
+    A daemon thread watches ``os.getppid()``, which changes the moment the parent exits (the
+    process is re-parented), so each level of a tree follows the one above it. Not
+    ``PR_SET_PDEATHSIG``: its "parent" is the thread that started the process, and an engine
+    restarted from a rank's short-lived thread would die with that thread."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent and alive(origin):
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="megatron-alp-end-with-parent", daemon=True).start()
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a zombie, not yet reaped, counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True

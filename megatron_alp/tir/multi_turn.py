@@ -74,16 +74,19 @@ class FeedbackFormatter:
     """Token ids of interpreter feedback, appended right after a model turn.
 
     The interpreter's output (which may echo the model's code, e.g. in a traceback) is inserted as
-    text: wherever it contains the string of one of the tokenizer's added tokens (``<|im_end|>``,
-    ``<|im_start|>``, ...), that string is tokenized in two halves, so printed text can never end
-    the turn or forge chat structure. Only the chat template's own markup becomes control tokens."""
+    text: wherever encoding it yields one of the tokenizer's added tokens (``<|im_end|>``,
+    ``<|im_start|>``, ...), whether its string was printed as it is or in a form the tokenizer
+    normalises into it (NFKC: ``＜｜im_end｜＞``), that text is encoded again in two halves. The
+    check is on the ids, so it holds whatever the tokenizer matches added tokens on: printed text
+    can never end the turn or forge chat structure. Only the chat template's own markup becomes
+    control tokens."""
 
     def __init__(self, tokenizer, tool_format: str):
         self.tokenizer = tokenizer
         self.tool_format = tool_format
         self.eos_text = tokenizer.eos_token or ""
-        added = sorted((t for t in tokenizer.get_added_vocab() if len(t) > 1), key=len, reverse=True)
-        self._added = re.compile("|".join(map(re.escape, added))) if added else None
+        self._control = frozenset(i for t, i in tokenizer.get_added_vocab().items() if len(t) > 1) | frozenset(
+            getattr(tokenizer, "all_special_ids", ()))
         if tool_format == "chat":
             self._chat_prefix, self._chat_suffix = self._template_parts()
         elif tool_format != "inline":
@@ -116,14 +119,15 @@ class FeedbackFormatter:
         return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
 
     def encode_text(self, text: str) -> list[int]:
-        """Token ids of ``text`` read as plain text: no added token comes out of it."""
-        ids, pos = [], 0
-        for m in self._added.finditer(text) if self._added is not None else ():
-            half = len(m.group()) // 2
-            ids += self._encode(text[pos:m.start()]) + self.encode_text(m.group()[:half])
-            ids += self.encode_text(m.group()[half:])
-            pos = m.end()
-        return ids + self._encode(text[pos:])
+        """Token ids of ``text`` read as plain text: no added token comes out of it (a single
+        character that the tokenizer turns into one by itself is dropped)."""
+        ids = self._encode(text)
+        if not self._control.intersection(ids):
+            return ids
+        if len(text) <= 1:
+            return []
+        half = len(text) // 2
+        return self.encode_text(text[:half]) + self.encode_text(text[half:])
 
     def __call__(self, output: str, turn_text: str, ended_with_eos: bool) -> list[int]:
         block = format_output(output)

@@ -1,14 +1,20 @@
 """Per-GPU memory plan of a run: what each phase holds on its fullest GPU, and whether it fits.
 
-A colocated run alternates two phases on the same GPUs, and either can run out:
+The phases are those of the trainer's phase table (megatron_alp/trainer/phases.py: what each
+phase keeps of Megatron's state and of the engine's memory), and any of them can run out:
 
 - **training**, the policy update (or the forward-only old/reference logprob passes, when a
   larger logprob token budget makes them the fuller), counted on the fullest pipeline stage;
-- **rollout**, the engines awake, counted on the fullest GPU that holds one: ``rollout.replicas``
-  engines, replica k on the first ``rollout.tensor_parallel_size`` GPUs of the k-th block of
-  world/replicas GPUs (megatron_alp/rollout/placement.py; with ``auto`` every GPU). vLLM needs
+- **rollout** (with the engine start and validation, which hold the same), the engines awake,
+  counted on the fullest GPU that holds one: ``rollout.replicas`` engines, replica k on the first
+  ``rollout.tensor_parallel_size`` GPUs of the k-th block of world/replicas GPUs
+  (megatron_alp/rollout/placement.py; with ``auto`` every GPU). vLLM needs
   ``gpu_memory_utilization x total`` free when it starts and at every wake-up, so what
-  ``rollout.offload_*`` leave of Megatron's state plus that budget must fit.
+  ``rollout.offload_*`` leave of Megatron's state plus that budget must fit;
+- **weight sync** and **engine restart + resync**: Megatron's weights, the gathered bucket (and a
+  leader's copy of it for the engine), the engine's weights awake without its KV cache;
+- **sync verification**: Megatron's weights and a probe's forward pass beside the awake engine;
+- **checkpoint save**: weights and optimizer state, the engine asleep.
 
 A run with ``rollout.placement: separate`` keeps the two apart. Its GPU count (``--gpus``) is the
 trainer's world size, the GPUs torchrun starts ranks on: ``nproc_per_node`` per node, on the node's
@@ -109,14 +115,18 @@ from megatron_alp.models.families import PUBLISHED, hf_to_megatron, load_hf_conf
 from megatron_alp.models.tiny import tiny_hf_config
 from megatron_alp.resolve import config_from_dict
 from megatron_alp.rollout.base import resolve_max_model_len
-from megatron_alp.rollout.placement import auto_replicas, replica_layout
+from megatron_alp.rollout.placement import auto_replicas, check_sync_placement, replica_layout
+from megatron_alp.trainer.phases import PHASES, PhaseSpec
 from megatron_alp.training.logprobs import CHUNK_ELEMENTS
 
 GiB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 RUNTIME_BYTES = 3 * GiB  # per trainer process: CUDA context, NCCL communicators, cuBLAS/TE workspaces
 ENGINE_WORKSPACE_BYTES = 3 * GiB  # vLLM's profiled activation peak, sampler logits, CUDA graphs, non-torch memory
-ENGINE_ASLEEP_BYTES = 1 * GiB  # a sleeping engine: its CUDA context and graph pool
+# a sleeping engine: its CUDA context, and the CUDA-graph pool and NCCL buffers vLLM keeps through sleep
+# (not measured yet: the GPU self-test's phase ledger measures it)
+ENGINE_ASLEEP_BYTES = 2 * GiB
+PROBE_TOKENS = 4 * 2 * (8 + 16)  # rollout.verify_sync's probe: 4 prompts x 2 samples x (8 + 16) tokens
 HEADROOM = 0.05  # of the GPU kept free: allocator fragmentation and the error of the estimates
 DEFAULT_GPU_MEM_GIB = 80.0  # H100 80GB
 MAX_SEARCH_GPUS = 256  # the advice looks for layouts up to this many GPUs
@@ -231,6 +241,7 @@ class Layout:
         """``gpus`` trainer ranks; with ``placement: separate``, ``nproc_per_node`` of them per node
         (default: the GPUs below the first of ``rollout.gpus``), and the nodes' ``rollout.gpus`` beside."""
         p, r = cfg.parallel, cfg.rollout
+        check_sync_placement(r, gpu=True)  # the plan is of a GPU job
         tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
         replicas, separate, nodes = r.replicas, (), 1
         if r.placement == "separate":
@@ -357,10 +368,11 @@ class Item:
 
 @dataclasses.dataclass(frozen=True)
 class Phase:
-    name: str  # "training" or "rollout"
+    name: str  # "training" (the logprob passes and the update), "rollout", or a phase of the table
     title: str
     where: str  # which GPU the phase is counted on
     items: tuple[Item, ...]
+    not_run: str = ""  # why this config never runs the phase (then it holds nothing)
 
     @property
     def total(self) -> int:
@@ -415,10 +427,13 @@ class MemoryPlan:
         rows = [("phase", "component", "GiB/GPU", "counted as")]
         for ph in self.phases:
             rows.append((ph.title, "", "", ""))
+            if ph.not_run:
+                rows.append((f"  not run ({ph.not_run})", "", "", ""))
+                continue
             rows.append((f"  {ph.where}", "", "", ""))
             rows += [("", i.label, _gib(i.nbytes), i.basis) for i in ph.items]
             rows.append(("", "total", _gib(ph.total), ""))
-        widths = [max(len(r[c]) for r in rows) for c in range(3)]
+        widths = [max(len(r[c]) for r in rows if r[1] or r is rows[0]) for c in range(3)]  # titles overhang
         lines = [f"model   {self.source}",
                  f"layout  {self.hardware} x {self.gpu_mem_bytes / GiB:g} GiB: {self.layout}", ""]
         for r in rows:
@@ -643,7 +658,90 @@ def _rollout(cfg: Config, arch: Architecture, lay: Layout, gpu_mem_gib: float, e
         Item("kv_cache", "KV cache", max(kv_cache, 0),
              f"rest of rollout.gpu_memory_utilization {r.gpu_memory_utilization} x {gpu_mem_gib:g} GiB"),
     ]
-    return Phase("rollout", "rollout (engine awake)", f"engine {lay.engine_gpus}", tuple(items))
+    return Phase("rollout", "rollout, engine start, validation (engine awake)", f"engine {lay.engine_gpus}",
+                 tuple(items))
+
+
+def _engine_items(cfg: Config, arch: Architecture, lay: Layout, state: str, gpu_mem_gib: float,
+                  engine_weights: int, kv_cache: int) -> list[Item]:
+    """The engine's memory on a GPU that holds one, in ``state`` (asleep, weights or awake); an
+    engine that never sleeps (``rollout.free_memory_during_training: false``) is always awake."""
+    r = cfg.rollout
+    if not r.free_memory_during_training:
+        state = "awake"
+    asleep = Item("engine", "rollout engine asleep", ENGINE_ASLEEP_BYTES,
+                  "fixed allowance: CUDA context, graph pool, NCCL buffers")
+    weight_bytes = 1 if r.quantization != "none" else _engine_bytes(cfg, arch)
+    weights = Item("engine_weights", "engine weights", engine_weights,
+                   f"{_count(arch.total_params)} x {weight_bytes} B / engine TP{lay.rollout_tp}")
+    if state == "asleep":
+        return [asleep]
+    if state == "weights":
+        return [weights, asleep]
+    return [weights,
+            Item("engine_workspace", "engine activations, CUDA graphs", ENGINE_WORKSPACE_BYTES, "fixed allowance"),
+            Item("kv_cache", "KV cache", max(kv_cache, 0),
+                 f"rest of rollout.gpu_memory_utilization {r.gpu_memory_utilization} x {gpu_mem_gib:g} GiB")]
+
+
+def _sync_bucket(cfg: Config, arch: Architecture, leader: bool) -> Item:
+    """The gathered weight-sync bucket: ``rollout.sync_bucket_mb``, or one whole layer where a layer
+    is bigger (buckets never split a layer); a colocated leader holds its IPC copy as well."""
+    r = cfg.rollout
+    dense, expert = arch.layer_params()
+    layer = (dense + expert) * _engine_bytes(cfg, arch)
+    bucket = max(r.sync_bucket_mb << 20, layer)
+    copies = 2 if leader else 1
+    return Item("sync_bucket", "weight-sync bucket" + (" and its copy for the engine" if leader else ""),
+                copies * bucket, f"{copies} x max(rollout.sync_bucket_mb, one layer {_gib(layer)} GiB)")
+
+
+def _phase_runs(cfg: Config, spec: PhaseSpec) -> Optional[str]:
+    """None when the config runs phase ``spec``, else why it does not."""
+    if spec.name == "validation" and not cfg.trainer.eval_interval:
+        return "trainer.eval_interval: 0"
+    if spec.name == "sync_verification" and not cfg.rollout.verify_sync:
+        return "rollout.verify_sync: false"
+    if spec.name == "warm_start" and cfg.model.tiny is None:
+        return "not a tiny model: model.tiny unset"
+    if spec.name == "warm_start" and not cfg.trainer.sft_warmup_steps:
+        return "trainer.sft_warmup_steps: 0"
+    return None
+
+
+def _table_phase(cfg: Config, arch: Architecture, lay: Layout, spec: PhaseSpec, gpu_mem_gib: float,
+                 engine_weights: int, kv_cache: int) -> Phase:
+    """A phase of the table (megatron_alp/trainer/phases.py) on its fullest GPU: the Megatron state it
+    needs (the rest offloaded where ``rollout.offload_*`` allow), what it allocates, and the engine
+    memory it keeps awake on a GPU that holds an engine."""
+    r = cfg.rollout
+    moves = r.placement == "colocated" and r.free_memory_during_training
+    kind_of = {"weights": "weights", "reference": "weights", "grads": "grads", "optimizer": "optimizer"}
+    candidates = []
+    stages = _stage_params(arch, lay)
+    for index, (dense, expert) in enumerate(stages):
+        first, last = index == 0, index == len(stages) - 1
+        items = []
+        if spec.name != "warm_start":
+            for item in _megatron_state(cfg, lay, dense, expert):
+                kind = kind_of[item.key]
+                if kind not in spec.megatron and moves and getattr(r, f"offload_{kind}"):
+                    how = "released" if kind == "grads" else "offloaded"
+                    item = Item(item.key, item.label, 0, f"{how} (rollout.offload_{kind}; not needed here)")
+                items.append(item)
+        engine_here = (0 if first else lay.pp - 1) in lay.stages_with_engine()
+        if spec.work == "bucket":
+            items.append(_sync_bucket(cfg, arch, leader=engine_here and r.sync_method != "broadcast"))
+        if spec.work == "probe":
+            probe = MicroBatchShape(PROBE_TOKENS, PROBE_TOKENS * 24, "probe")
+            items.append(_forward_activations(cfg, arch, lay, probe))
+            items += _output(cfg, arch, lay, PROBE_TOKENS, backward=False) if last else []
+        items.append(Item("runtime", "CUDA context, NCCL, workspaces", RUNTIME_BYTES, "fixed allowance"))
+        if engine_here and spec.engine != "none":
+            items += _engine_items(cfg, arch, lay, spec.engine, gpu_mem_gib, engine_weights, kv_cache)
+        where = "GPU 0" if lay.pp == 1 else "first pipeline stage" if first else "last pipeline stage"
+        candidates.append(Phase(spec.name, spec.title, where, tuple(items)))
+    return max(candidates, key=lambda p: p.total)
 
 
 def _separate_rollout(cfg: Config, arch: Architecture, lay: Layout, gpu_mem_gib: float, engine_weights: int,
@@ -718,6 +816,21 @@ def _plan(cfg: Config, gpus: int, gpu_mem_gib: float, hf: dict, source: str,
         failing.append("kv_cache")
         problems.append(f"the engine's KV cache ({_gib(max(kv_cache, 0))} GiB after weights and workspace) cannot "
                         f"hold one sequence of {seq} tokens ({_gib(one_sequence)} GiB): vLLM refuses to start")
+    rows = {"training": training, "rollout": rollout}
+    for spec in PHASES.values():
+        if spec.plan_row in rows:
+            continue
+        why = _phase_runs(cfg, spec)
+        rows[spec.plan_row] = (Phase(spec.name, spec.title, "", (), not_run=why) if why else
+                               _table_phase(cfg, arch, lay, spec, gpu_mem_gib, engine_weights, kv_cache))
+        phase = rows[spec.plan_row]
+        if phase.total > usable:
+            failing.append(spec.name)
+            problems.append(f"{phase.title} needs {_gib(phase.total)} GiB on {phase.where}, over the "
+                            f"{_gib(usable)} GiB usable")
+    order = ("warm_start", "rollout", "engine_restart_resync", "training", "weight_sync", "sync_verification",
+             "checkpoint_save")
+    phases = tuple(rows[name] for name in order)
     kept = set(rollout.resident)
     offloaded = 0 if lay.separate else sum(i.nbytes for i in _megatron_state(cfg, lay, *_stage_params(arch, lay)[0])
                                            if i.key not in kept and i.key != "grads")  # gradients are dropped
@@ -734,10 +847,23 @@ def _plan(cfg: Config, gpus: int, gpu_mem_gib: float, hf: dict, source: str,
         "nothing offloaded: Megatron's state stays on the trainer GPUs, each engine keeps its own GPU "
         "(rollout.placement: separate)" if lay.separate else
         f"host memory for the offloaded state: {_gib(offloaded)} GiB per GPU",
-    )
-    return MemoryPlan(source, lay.describe(bool(arch.experts)), gpus, total, (training, rollout), offloaded,
+    ) + _routing_note(cfg, arch, lay, responses, seq)
+    return MemoryPlan(source, lay.describe(bool(arch.experts)), gpus, total, phases, offloaded,
                       notes, tuple(problems), tuple(failing), engine_weights + ENGINE_WORKSPACE_BYTES + one_sequence,
                       engine_gpus=lay.engine_gpu_count)
+
+
+def _routing_note(cfg: Config, arch: Architecture, lay: Layout, responses: int, seq: int) -> tuple[str, ...]:
+    """Routing replay's host buffers: the engine's experts of the whole batch on every rank (R3; the
+    batch is built everywhere), the old-policy pass's of this rank's share (R2, and R3's update pass),
+    ``[sequences, s, layers, k]`` in 1 byte per expert id up to 256 experts, else 2."""
+    replay = cfg.moe.routing_replay
+    if not arch.experts or replay == "none":
+        return ()
+    per_sequence = seq * arch.layers * arch.topk * (1 if arch.experts <= 256 else 2)
+    host = responses * per_sequence * (replay == "r3") + responses // lay.dp * per_sequence
+    return (f"routing replay ({replay}): {_gib(host)} GiB of host memory per rank for the expert ids "
+            "(the micro-batch's slice goes to the GPU)",)
 
 
 def _changes(cfg: Config, gpus: int, plan: MemoryPlan) -> list[tuple[list[str], int]]:
@@ -792,7 +918,27 @@ def _changes(cfg: Config, gpus: int, plan: MemoryPlan) -> list[tuple[list[str], 
             out.append((["rollout.kv_cache_dtype=fp8"], gpus))
         if r.quantization == "none":
             out.append((["rollout.quantization=fp8"], gpus))
-    return out
+    table = [PHASES[name] for name in plan.failing if name in PHASES]
+    if table:
+        if r.placement == "colocated":
+            out += [([f"rollout.offload_{k}=true"], gpus) for k in ("weights", "grads", "optimizer")
+                    if not getattr(r, f"offload_{k}")]
+        if any(spec.work == "bucket" for spec in table) and r.sync_bucket_mb > 64:
+            out.append(([f"rollout.sync_bucket_mb={r.sync_bucket_mb // 2}"], gpus))
+        if any(spec.engine == "awake" for spec in table) and r.gpu_memory_utilization > util_min:
+            out.append(([f"rollout.gpu_memory_utilization={max(util_min, round(r.gpu_memory_utilization - 0.1, 2))}"],
+                        gpus))
+        if any(spec.name == "sync_verification" for spec in table):
+            out.append((["rollout.verify_sync=false"], gpus))
+        out.append(([f"parallel.tensor_model_parallel_size={2 * p.tensor_model_parallel_size}",
+                     "parallel.sequence_parallel=true"], gpus))
+        out.append(([f"parallel.pipeline_model_parallel_size={2 * p.pipeline_model_parallel_size}"], gpus))
+        out.append(([], 2 * gpus))
+    unique = []
+    for change in out:
+        if change not in unique:
+            unique.append(change)
+    return unique
 
 
 def _try(cfg: Config, overrides: list[str], gpus: int, gpu_mem_gib: float, hf: dict,

@@ -1,23 +1,73 @@
-"""The phases of an iteration: their wall time, their peak GPU memory, and the rollout window.
+"""The phases of a run, and what each one holds on the GPU: one table for the trainer and the plan.
 
+In a colocated GPU run Megatron and the engine take turns on the same GPUs. :data:`PHASES` says,
+for every phase, which Megatron state it needs resident (the rest leaves the GPU where
+``rollout.offload_<kind>`` allows), which engine memory it needs awake, and whether the allocator
+cache is emptied on entry. :class:`PhaseRunner` is the only way the trainer changes phase: it moves
+Megatron's state and the engine's memory to what the table says, releasing before it allocates.
+``megatron-alp plan`` counts the peak of every phase from the same table
+(:mod:`megatron_alp.trainer.memory_plan`), so a phase the trainer runs is a phase the plan checked.
+
+``trainer.phase_ledger`` writes what each rank really held at every phase entry (measured from the
+storages, and on GPUs the memory in use and the trainer's peak) to ``RUN/phase_ledger/rank_<r>.jsonl``;
+the offload windows then run on the CPU too, so a CPU run proves the trainer follows the table.
 ``timing/<phase>_s`` is a phase's wall time and ``memory/<phase>_peak_gib`` the trainer
-allocator's peak during it (GPUs only); ``memory/<phase>_used_gib`` is the memory in use on the
-whole GPU (the engine's too, which may live in another process). In a colocated GPU run the
-engine and Megatron take turns on the GPU: :func:`offloaded` moves Megatron's state to pinned host
-memory (``rollout.offload_*``) and empties the allocator cache, and :func:`engine_awake` holds the
-engine awake inside that window.
+allocator's peak during it (GPUs only).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
+import os
+import signal
 import time
+from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
 
 from megatron_alp.runtime.platform import has_gpu
-from megatron_alp.training.offload import TrainingStateOffloader
+from megatron_alp.training.offload import KINDS, TrainingStateOffloader
+
+ENGINE_STATES = ("none", "asleep", "weights", "awake")  # no engine yet; all memory freed; weights only; all
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseSpec:
+    name: str
+    title: str
+    megatron: tuple[str, ...]  # the Megatron state (of KINDS) it needs on the GPU; the reference goes with "weights"
+    engine: str  # the engine memory it needs awake (ENGINE_STATES)
+    work: str  # what else it allocates, for the plan: update, forward, bucket, probe, or nothing
+    plan_row: str  # the row of `megatron-alp plan` that counts it
+
+    @property
+    def empties_cache(self) -> bool:
+        """The allocator's cached blocks go back to the driver before an engine wakes anything."""
+        return self.engine in ("weights", "awake")
+
+
+PHASES: dict[str, PhaseSpec] = {p.name: p for p in (
+    PhaseSpec("warm_start", "warm start (tiny models, before Megatron and the engine exist)", (), "none", "",
+              "warm_start"),
+    PhaseSpec("model_build", "Megatron model, optimizer and reference built, a checkpoint loaded",
+              KINDS, "none", "", "training"),
+    PhaseSpec("engine_start", "engine start (claims its whole budget)", (), "awake", "", "rollout"),
+    PhaseSpec("rollout", "rollout (engine awake)", (), "awake", "", "rollout"),
+    PhaseSpec("engine_restart_resync", "engine restart + resync (a crashed engine mid-rollout)", ("weights",),
+              "weights", "bucket", "engine_restart_resync"),
+    PhaseSpec("logprob", "old/reference logprob passes (and sigma calibration)", ("weights",), "asleep",
+              "forward", "training"),
+    PhaseSpec("policy_update", "policy update", KINDS, "asleep", "update", "training"),
+    PhaseSpec("weight_sync", "weight sync (engine weights awake, no KV cache)", ("weights",), "weights",
+              "bucket", "weight_sync"),
+    PhaseSpec("sync_verification", "sync verification (rollout.verify_sync: probe on both sides)", ("weights",),
+              "awake", "probe", "sync_verification"),
+    PhaseSpec("validation", "validation (engine awake)", (), "awake", "", "rollout"),
+    PhaseSpec("checkpoint_save", "checkpoint save", ("weights", "optimizer"), "asleep", "", "checkpoint_save"),
+)}
 
 
 @contextlib.contextmanager
@@ -46,25 +96,111 @@ def memory_in_use(phase: str) -> dict:
     return {f"memory/{phase}_used_gib": (total - free) / 2**30}
 
 
-@contextlib.contextmanager
-def offloaded(offloader: Optional[TrainingStateOffloader], stats: dict) -> Iterator[None]:
-    """Megatron's state off the GPU for the block (``offload/*`` and ``reload/*`` into ``stats``);
-    a no-op without an offloader (CPU runs, separate placement, nothing to offload)."""
-    if offloader is not None:
-        stats.update(offloader.offload())
-    try:
-        yield
-    finally:
-        if offloader is not None:
-            stats.update(offloader.reload())
+class PhaseRunner:
+    """Moves Megatron's state and the engine's memory into each phase the trainer enters.
 
+    ``offloader``: the kinds ``rollout.offload_*`` let leave the GPU (None: nothing moves);
+    ``rollout``: the DistributedRollout, once it exists. Offload and reload statistics of the moves
+    add up in :meth:`take_stats`.
+    """
 
-@contextlib.contextmanager
-def engine_awake(rollout, offloader: Optional[TrainingStateOffloader], stats: dict) -> Iterator[None]:
-    """The rollout window: Megatron's state offloaded while the (colocated) engine is awake."""
-    with offloaded(offloader, stats):
-        rollout.wake_up()
+    def __init__(self, ledger: Optional[Path] = None):
+        self.current: Optional[str] = None
+        self.offloader: Optional[TrainingStateOffloader] = None
+        self.measure: Optional[TrainingStateOffloader] = None  # reads residency when nothing is offloaded
+        self.rollout = None
+        self.iteration = 0
+        self._stats: dict[str, float] = {}
+        self._ledger = ledger
+        if ledger is not None:
+            ledger.parent.mkdir(parents=True, exist_ok=True)
+
+    def attach(self, *, offloader: Optional[TrainingStateOffloader] = None,
+               measure: Optional[TrainingStateOffloader] = None, rollout=None) -> None:
+        if offloader is not None or measure is not None:
+            self.offloader, self.measure = offloader, measure or offloader
+        if rollout is not None:
+            self.rollout = rollout
+
+    def enter(self, name: str) -> None:
+        """Become phase ``name``: release what it does not need (Megatron state first, then engine
+        memory), empty the cache when an engine wakes, then bring back and wake what it needs."""
+        spec = PHASES[name]
+        if self._ledger is not None and self.current is not None:
+            self._record_exit()
+        engine = self.rollout
+        going_down = engine is not None and _engine_rank(spec.engine) < _engine_rank(engine.memory)
+        if self.offloader is not None:
+            self._add(self.offloader.offload([k for k in KINDS if k not in spec.megatron]))
+        if going_down:
+            engine.set_memory(spec.engine)
+        if spec.empties_cache and has_gpu():
+            torch.cuda.empty_cache()
+        if self.offloader is not None:
+            self._add(self.offloader.reload(spec.megatron))
+        if engine is not None and not going_down and spec.engine != "none":
+            engine.set_memory(spec.engine)
+        self.current = name
+        if self._ledger is not None:
+            self._record_entry(spec)
+
+    @contextlib.contextmanager
+    def within(self, name: str) -> Iterator[None]:
+        """Phase ``name`` for the block, then back to the phase before it."""
+        before = self.current
+        self.enter(name)
         try:
             yield
         finally:
-            rollout.sleep()
+            if before is not None:
+                self.enter(before)
+
+    def take_stats(self) -> dict[str, float]:
+        """``offload/*`` and ``reload/*`` of the moves since the last call, summed."""
+        stats, self._stats = self._stats, {}
+        return stats
+
+    def _add(self, stats: dict[str, float]) -> None:
+        for key, value in stats.items():
+            self._stats[key] = self._stats.get(key, 0.0) + value
+
+    # ------------------------------------------------------------------------------ the ledger
+
+    def _record_entry(self, spec: PhaseSpec) -> None:
+        row = self._holding({"phase": spec.name, "iteration": self.iteration, "at": "entry"})
+        if has_gpu():
+            torch.cuda.reset_peak_memory_stats()
+        self._write(row)
+
+    def _record_exit(self) -> None:
+        row = self._holding({"phase": self.current, "iteration": self.iteration, "at": "exit"})
+        if has_gpu():
+            row["trainer_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        self._write(row)
+
+    def _holding(self, row: dict) -> dict:
+        """What this rank holds now: Megatron's bytes per kind, the engine memory awake, the GPU in use."""
+        row["megatron"] = self.measure.resident_bytes() if self.measure is not None else None
+        row["engine"] = self.rollout.memory if self.rollout is not None else "none"
+        if has_gpu():
+            free, total = torch.cuda.mem_get_info()
+            row["gpu_used_gib"] = (total - free) / 2**30
+        return row
+
+    def _write(self, row: dict) -> None:
+        with open(self._ledger, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def _engine_rank(state: str) -> int:
+    return ENGINE_STATES.index(state)
+
+
+def kill_engine_at_rollout(rollout, iteration: int) -> None:
+    """Test hook: ``MEGATRON_ALP_KILL_ENGINE_AT_ROLLOUT=<iteration>`` SIGKILLs this rank's engine-core
+    processes as that iteration's rollout starts, to prove a crashed engine is restarted and resynced
+    in its own phase (``engine_restart_resync``) and the rollout goes on."""
+    target = os.environ.get("MEGATRON_ALP_KILL_ENGINE_AT_ROLLOUT")
+    if target and int(target) == iteration and rollout.engine is not None:
+        for pid in rollout.engine.engine_pids():
+            os.kill(pid, signal.SIGKILL)

@@ -57,7 +57,7 @@ from megatron_alp.trainer.metrics import (
     throughput_metrics,
     update_metrics,
 )
-from megatron_alp.trainer.phases import engine_awake, memory_in_use, offloaded, peak_memory, timed
+from megatron_alp.trainer.phases import PhaseRunner, kill_engine_at_rollout, memory_in_use, peak_memory, timed
 from megatron_alp.trainer.run_dir import (
     checkpoint_dir,
     claim_fresh,
@@ -69,7 +69,7 @@ from megatron_alp.trainer.run_dir import (
 from megatron_alp.training.calibration import calibrate_sigma, calibration_due, calibration_line
 from megatron_alp.training.dist_checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from megatron_alp.training.micro_batch import Batching
-from megatron_alp.training.offload import offloader_for
+from megatron_alp.training.offload import TrainingStateOffloader, offloader_for
 from megatron_alp.training.optim import learning_rates
 from megatron_alp.training.perturbation import gather_sigma_stats
 from megatron_alp.training.policy import build_policy, build_reference
@@ -95,6 +95,7 @@ class RLTrainer:
         self.step = 0
         self.logger = self.rollout = self.executor = self.batches = self._validation = self._lock = None
         self._claimed = False
+        self.phases = PhaseRunner()
 
     # ------------------------------------------------------------------------------- setup
 
@@ -118,6 +119,8 @@ class RLTrainer:
         self.claim_run_dir()
         init_distributed(cfg.parallel, seed=cfg.trainer.seed)
         self.rank = dist.get_rank()
+        if cfg.trainer.phase_ledger:
+            self.phases = PhaseRunner(ledger=self.run_dir / "phase_ledger" / f"rank_{self.rank}.jsonl")
         if self.rank == 0:
             write_config(self.run_dir, cfg)
         check_batch_layout(cfg.trainer, cfg.rollout.sampling.n, ps.get_data_parallel_world_size())
@@ -154,13 +157,16 @@ class RLTrainer:
         path = base_model_dir(self.cfg)
         if self.cfg.model.hf_path is not None:
             return check_model_dir(path, "model.hf_path")
-        if self.rank == 0 and not (path / "config.json").is_file():
-            make_base_model(self.cfg, path)
+        if not (path / "config.json").is_file():
+            self.phases.enter("warm_start")
+            if self.rank == 0:
+                make_base_model(self.cfg, path)
         dist.barrier()
         return path
 
     def _build_models(self) -> None:
         cfg = self.cfg
+        self.phases.enter("model_build")
         total_steps = cfg.trainer.iterations * cfg.trainer.updates_per_iteration
         policy = build_policy(self.args, cfg, self.model_dir, total_steps)
         self.policy, self.optimizer, self.scheduler, self.policy_module = (
@@ -171,7 +177,8 @@ class RLTrainer:
             self.reference = build_reference(self.args, cfg, cfg.model.load or self.model_dir)
         self.need_old = needs_old_logprobs(cfg.loss.name) or cfg.trainer.mismatch_metrics or self.routing.needs_old_pass
         chunks = model_chunks(self.policy) + ([self.reference] if self.reference is not None else [])
-        self.offloader = offloader_for(cfg.rollout, chunks, self.optimizer)
+        offloader = offloader_for(cfg.rollout, chunks, self.optimizer, on_cpu=cfg.trainer.phase_ledger)
+        self.phases.attach(offloader=offloader, measure=TrainingStateOffloader(chunks, self.optimizer, kinds=()))
 
     def _maybe_resume(self) -> bool:
         ckpt = latest_checkpoint(self.run_dir) if self.cfg.trainer.resume else None
@@ -190,11 +197,11 @@ class RLTrainer:
     def _start_rollout(self, resumed: bool) -> None:
         cfg = self.cfg
         t0 = time.time()
-        with offloaded(self.offloader, {}):  # the engine claims its memory while Megatron's state is away
-            self.rollout = DistributedRollout(cfg.rollout, str(self.model_dir), seed=cfg.trainer.seed,
-                                              scorer=probe_mismatch, version=self.iteration,
-                                              background=cfg.trainer.max_staleness > 0)
-            self.rollout.sleep()
+        self.phases.enter("engine_start")  # the engine claims its memory while Megatron's state is away
+        self.rollout = DistributedRollout(cfg.rollout, str(self.model_dir), seed=cfg.trainer.seed,
+                                          scorer=probe_mismatch, version=self.iteration,
+                                          background=cfg.trainer.max_staleness > 0, phase=self.phases.within)
+        self.phases.attach(rollout=self.rollout)
         if self.rank == 0:
             say(f"rollout engine: {self.rollout.replicas} {cfg.rollout.engine} replica(s) ready in {time.time() - t0:.0f} s")
         pin_trainer_cores(cfg.rollout)
@@ -203,6 +210,7 @@ class RLTrainer:
                 self.executor = SandboxExecutor(cfg.tir.sandbox)  # each replica leader runs its episodes' code
             self.executor.cores = self.rollout.engine_cores
         if resumed or cfg.model.load is not None:
+            self.phases.enter("weight_sync")
             self.rollout.sync_weights(self.policy_module, version=self.iteration)
 
     # ------------------------------------------------------------------------------- loop
@@ -240,21 +248,27 @@ class RLTrainer:
         cfg, m = self.cfg, {}
         t_start = time.time()
         seed_everything(derive_seed(cfg.trainer.seed, self.iteration) % (2**31))
-        with engine_awake(self.rollout, self.offloader, m):
-            groups = self.batches.next_batch(self.iteration, m)
-            m.update(memory_in_use("rollout"))
+        self.phases.iteration = self.iteration
+        self.phases.enter("rollout")
+        kill_engine_at_rollout(self.rollout, self.iteration)
+        groups = self.batches.next_batch(self.iteration, m)
+        m.update(memory_in_use("rollout"))
         m.update(self.rollout.take_stats())
         m.update(staleness_metrics(groups.trajectories, self.iteration, cfg.rollout.partial_rollout))
         batch, truncated = training_batch(cfg, groups.trajectories, groups.rewards, self.pad_id)
         local, sizes, balance = data_parallel_split(batch, cfg.trainer, self.args.transformer["hidden_size"],
                                                     ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
         m.update(balance)
+        self.phases.enter("logprob")
         with peak_memory(m, "logprob"):
             self._logprob_passes(local, m)
+        self.phases.enter("policy_update")
         with peak_memory(m, "update"), timed(m, "update"):
             step_stats, loss_metrics = self._update(local, sizes)
+        self.phases.enter("weight_sync")
         with peak_memory(m, "sync"), timed(m, "sync"):
             sync_stats = self.rollout.sync_weights(self.policy_module, version=self.iteration + 1)
+        m.update(self.phases.take_stats())
         m["timing/total_s"] = time.time() - t_start
 
         out = from_last_stage({"step": self.step, **mean_dicts(loss_metrics)})
@@ -328,10 +342,10 @@ class RLTrainer:
             self._validation = Validation(self.cfg, self.tokenizer, self.rollout.max_model_len,
                                           log=say if self.rank == 0 else lambda msg: None)
         t0 = time.time()
-        self.rollout.wake_up()
+        self.phases.enter("validation")
         out = self._validation.run(self.rollout, seed=sample_seed(self.cfg, VALIDATION_STREAM),
                                    reward_fn=self.reward_fn, tokenizer=self.tokenizer, executor=self.executor)
-        self.rollout.sleep()
+        self.phases.take_stats()  # the moves of validation stay out of the next iteration's offload/* metrics
         self.rollout.take_stats()  # validation rollouts stay out of the next iteration's rollout/* metrics
         out["timing/val_s"] = time.time() - t0
         return out
@@ -348,6 +362,7 @@ class RLTrainer:
     # ------------------------------------------------------------------------------- checkpoints
 
     def save(self) -> None:
+        self.phases.enter("checkpoint_save")
         extra = {"iteration": self.iteration, "step": self.step, "sampler": self.batches.resume_state(),
                  "policy_version": self.rollout.version}
         save_checkpoint(checkpoint_dir(self.run_dir, self.iteration), self.policy_module, optimizer=self.optimizer,

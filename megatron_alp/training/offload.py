@@ -3,8 +3,10 @@
 The engine and the trainer share each GPU. vLLM needs ``gpu_memory_utilization x total`` free when
 it wakes up, and Megatron's parameters, gradient buffers and optimizer state (for a bf16 model:
 2 + 4 + 12 bytes per parameter, fewer with the distributed optimizer) would otherwise stay
-resident through every rollout. :class:`TrainingStateOffloader` frees them for the rollout and
-brings them back before the logprob passes:
+resident through every rollout. :class:`TrainingStateOffloader` frees each kind where a phase
+does not need it and brings it back for the phase that does (the trainer's phase table,
+megatron_alp/trainer/phases.py: the weights for the logprob passes and the weight sync, all three
+for the update):
 
 - weights and optimizer state (Adam moments, fp32 master weights) are copied to CPU memory
   (pinned on GPUs, allocated once and reused) and their GPU storage is released;
@@ -13,8 +15,8 @@ brings them back before the logprob passes:
 
 Storage is released with ``untyped_storage().resize_(0)`` (as Megatron's own buffer offload does),
 so every view (``param.data`` inside DDP's buffers, ``param.main_grad``, the optimizer's shards)
-stays the same object and is valid again after :meth:`reload`. Nothing may read the model in
-between. Each kind is optional (``rollout.offload_weights``, ``offload_grads``,
+stays the same object and is valid again after :meth:`reload`. Nothing may read a released kind
+in between. Each kind is optional (``rollout.offload_weights``, ``offload_grads``,
 ``offload_optimizer``); the allocator cache is emptied after the offload so the engine gets the
 memory.
 """
@@ -37,20 +39,20 @@ KINDS = ("weights", "grads", "optimizer")
 class _Held:
     storage: torch.UntypedStorage
     nbytes: int
-    kind: str
     host: torch.Tensor | None = None  # the CPU copy (None for gradients: they come back as zeros)
 
 
 @dataclass
 class TrainingStateOffloader:
     """Frees the chosen kinds of Megatron state from the accelerator between :meth:`offload` and
-    :meth:`reload`. ``models``: the DDP-wrapped model chunks; ``optimizer``: Megatron's optimizer."""
+    :meth:`reload`, each kind on its own (a phase may need the weights back but not the optimizer).
+    ``models``: the DDP-wrapped model chunks; ``optimizer``: Megatron's optimizer."""
 
     models: list
     optimizer: object
     kinds: tuple[str, ...] = KINDS
-    _held: list[_Held] = field(default_factory=list)
-    _host: list[torch.Tensor] = field(default_factory=list)  # reusable CPU buffers, in storage order
+    _held: dict[str, list[_Held]] = field(default_factory=dict)  # kind -> its released storages
+    _host: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # kind -> reusable CPU buffers, in order
 
     def __post_init__(self):
         unknown = set(self.kinds) - set(KINDS)
@@ -58,66 +60,79 @@ class TrainingStateOffloader:
             raise ValueError(f"offload kinds {sorted(unknown)} unknown; expected some of {KINDS}")
 
     @property
-    def offloaded(self) -> bool:
-        return bool(self._held)
+    def offloaded(self) -> tuple[str, ...]:
+        """The kinds whose storage is released now."""
+        return tuple(k for k in KINDS if k in self._held)
 
-    def offload(self) -> dict[str, float]:
-        """Copy weights/optimizer state to the host and release their (and the gradients') storage."""
-        if self._held:
-            raise RuntimeError("training state is already offloaded")
+    def offload(self, kinds: Optional[Iterable[str]] = None) -> dict[str, float]:
+        """Copy weights/optimizer state to the host and release their (and the gradients') storage:
+        ``kinds`` of the offloadable ones (default: all), those not already released."""
+        todo = [k for k in (self.kinds if kinds is None else kinds) if k in self.kinds and k not in self._held]
         t0 = time.perf_counter()
-        moved = 0
+        moved = freed = 0
         _synchronize()
-        for storage, kind in self._storages():
-            held = _Held(storage, storage.nbytes(), kind)
-            if kind != "grads":
-                held.host = self._host_buffer(sum(h.host is not None for h in self._held), held.nbytes)
-                held.host.copy_(_bytes(storage), non_blocking=True)
-                moved += held.nbytes
-            self._held.append(held)
+        for kind, storages in self._storages(todo).items():
+            held = self._held.setdefault(kind, [])
+            for index, storage in enumerate(storages):
+                item = _Held(storage, storage.nbytes())
+                if kind != "grads":
+                    item.host = self._host_buffer(kind, index, item.nbytes)
+                    item.host.copy_(_bytes(storage), non_blocking=True)
+                    moved += item.nbytes
+                held.append(item)
         _synchronize()
-        freed = 0
-        for held in self._held:
-            held.storage.resize_(0)
-            freed += held.nbytes
+        for kind in todo:
+            for item in self._held.get(kind, ()):
+                item.storage.resize_(0)
+                freed += item.nbytes
         if has_gpu():
             torch.cuda.empty_cache()
         return {"offload/bytes_moved": float(moved), "offload/bytes_freed": float(freed),
                 "offload/seconds": time.perf_counter() - t0}
 
-    def reload(self) -> dict[str, float]:
-        """Reallocate every released storage and copy the host state back (gradients as zeros)."""
+    def reload(self, kinds: Optional[Iterable[str]] = None) -> dict[str, float]:
+        """Reallocate the released storages of ``kinds`` (default: all) and copy the host state back
+        (gradients as zeros)."""
         t0 = time.perf_counter()
         moved = 0
-        for held in self._held:
-            held.storage.resize_(held.nbytes)
-            view = _bytes(held.storage)
-            if held.host is None:
-                view.zero_()
-            else:
-                view.copy_(held.host, non_blocking=True)
-                moved += held.nbytes
+        for kind in [k for k in (KINDS if kinds is None else kinds) if k in self._held]:
+            for held in self._held.pop(kind):
+                held.storage.resize_(held.nbytes)
+                view = _bytes(held.storage)
+                if held.host is None:
+                    view.zero_()
+                else:
+                    view.copy_(held.host, non_blocking=True)
+                    moved += held.nbytes
         _synchronize()
-        self._held.clear()
         return {"reload/bytes_moved": float(moved), "reload/seconds": time.perf_counter() - t0}
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes each kind holds on its device now, read from the storages themselves."""
+        out = dict.fromkeys(KINDS, 0)
+        for kind, storages in self._storages(KINDS, live_only=False).items():
+            out[kind] = sum(s.nbytes() for s in storages)
+        return out
 
     # ---------------------------------------------------------------------------- what to move
 
-    def _storages(self) -> Iterable[tuple[torch.UntypedStorage, str]]:
-        """Each live storage of the chosen kinds once (views of one buffer share a storage); a
-        storage used by two kinds (an fp32 model's optimizer updates the parameters themselves)
-        counts as the first: weights, then gradients, then optimizer."""
+    def _storages(self, kinds: Iterable[str], live_only: bool = True) -> dict[str, list[torch.UntypedStorage]]:
+        """Each storage of ``kinds`` once (views of one buffer share a storage), in a stable order;
+        a storage used by two kinds (an fp32 model's optimizer updates the parameters themselves)
+        counts as the first: weights, then gradients, then optimizer. ``live_only``: skip released ones."""
         seen: set[int] = set()
+        out: dict[str, list[torch.UntypedStorage]] = {}
         for kind, tensors in (("weights", self._weights()), ("grads", self._grads()),
                               ("optimizer", self._optimizer_state())):
             for t in tensors:
                 storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key in seen or storage.nbytes() == 0:
+                key = storage._cdata  # the storage itself: a released one has no data pointer to tell it apart
+                if key in seen:
                     continue
                 seen.add(key)
-                if kind in self.kinds:
-                    yield storage, kind
+                if kind in kinds and (storage.nbytes() or not live_only):
+                    out.setdefault(kind, []).append(storage)
+        return out
 
     def _weights(self) -> Iterable[torch.Tensor]:
         for chunk in self.models:
@@ -143,14 +158,15 @@ class TrainingStateOffloader:
             for state in inner.state.values():
                 yield from (v for v in state.values() if torch.is_tensor(v) and v.numel() > 1)
 
-    def _host_buffer(self, index: int, nbytes: int) -> torch.Tensor:
-        """The ``index``-th copied storage's CPU buffer: pinned memory is slow to allocate, and the
-        same storages come in the same order every iteration, so each buffer is reused."""
-        if index == len(self._host):
-            self._host.append(torch.empty(0, dtype=torch.uint8))
-        if self._host[index].numel() != nbytes:
-            self._host[index] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=has_gpu())
-        return self._host[index]
+    def _host_buffer(self, kind: str, index: int, nbytes: int) -> torch.Tensor:
+        """The ``index``-th copied storage of ``kind``'s CPU buffer: pinned memory is slow to
+        allocate, and the same storages come in the same order every time, so each buffer is reused."""
+        buffers = self._host.setdefault(kind, [])
+        if index == len(buffers):
+            buffers.append(torch.empty(0, dtype=torch.uint8))
+        if buffers[index].numel() != nbytes:
+            buffers[index] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=has_gpu())
+        return buffers[index]
 
 
 def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -163,12 +179,13 @@ def _synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def offloader_for(cfg: RolloutConfig, chunks: list, optimizer) -> Optional[TrainingStateOffloader]:
+def offloader_for(cfg: RolloutConfig, chunks: list, optimizer, on_cpu: bool = False) -> Optional[TrainingStateOffloader]:
     """The offloader of a colocated GPU run (``rollout.offload_*`` kinds of the model ``chunks`` and
     the optimizer), or None where nothing leaves the GPU (the CPU, separate placement, engines that
-    do not sleep, every kind off)."""
+    do not sleep, every kind off). ``on_cpu``: run the same moves on the CPU (they free nothing
+    useful there, but prove the phases move what the table says; ``trainer.phase_ledger``)."""
     kinds = tuple(kind for kind, on in zip(KINDS, (cfg.offload_weights, cfg.offload_grads, cfg.offload_optimizer))
                   if on)
-    if has_gpu() and cfg.free_memory_during_training and kinds and cfg.placement == "colocated":
+    if (has_gpu() or on_cpu) and cfg.free_memory_during_training and kinds and cfg.placement == "colocated":
         return TrainingStateOffloader(chunks, optimizer, kinds)
     return None

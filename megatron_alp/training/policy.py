@@ -71,7 +71,9 @@ class Policy:
 def build_policy(args: MegatronModelArgs, cfg: Config, model_dir: str | Path, total_steps: int) -> Policy:
     """The policy with ALP's perturbation sites, initialised from ``model.load`` when set, else from
     ``model_dir``. HF weights are loaded before the optimizer is built (a half-precision model's
-    optimizer copies them into its fp32 main parameters); a checkpoint is loaded after."""
+    optimizer copies them into its fp32 main parameters); a checkpoint is loaded after, and the
+    main parameters are then copied from it again, or the first step would put back the weights
+    the optimizer was built with."""
     module = build_gpt_model(args, cfg.model, cfg.parallel, cfg.perturbation, moe=cfg.moe)
     if cfg.model.load is None:
         load_hf_weights(module, model_dir)
@@ -79,4 +81,5 @@ def build_policy(args: MegatronModelArgs, cfg: Config, model_dir: str | Path, to
     optimizer, scheduler = build_optimizer(model, cfg.optimizer, cfg.perturbation, cfg.parallel, total_steps)
     if cfg.model.load is not None:
         load_checkpoint(cfg.model.load, unwrap_model(model), strict=True)
+        optimizer.reload_model_params()
     return Policy(model, optimizer, scheduler)

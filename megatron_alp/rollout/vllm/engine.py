@@ -64,7 +64,7 @@ from megatron_alp.rollout.base import (
 )
 from megatron_alp.rollout.placement import Placement, placement_env
 from megatron_alp.rollout.quantization import check_model_not_prequantized, vllm_quantization_args
-from megatron_alp.rollout.vllm.plugin import SLEEP_WHEN_IDLE
+from megatron_alp.rollout.vllm.plugin import ENGINE_RANK, SLEEP_WHEN_IDLE
 from megatron_alp.rollout.vllm.transports import SYNC_METHODS, transport_for
 from megatron_alp.rollout.vllm.worker import WorkerExtension
 from megatron_alp.rollout.weight_sync import WeightStream, is_finite
@@ -106,6 +106,38 @@ def forget_dead_vllm_groups() -> None:
                  "_EPLB", "_PCP", "_NODE_COUNT"):
         if hasattr(vps, name):
             setattr(vps, name, None)
+
+
+def llm_kwargs(cfg: RolloutConfig, *, model: str, tokenizer: str, seed: int, max_model_len: int,
+               quantization: dict, gpu: bool, return_routing: bool) -> dict:
+    """The keyword arguments of vLLM's ``LLM`` for this engine.
+
+    Chunked prefill stays vLLM's default on GPUs (turning it off there may crash or give wrong
+    outputs, vLLM warns, and forces ``max_num_batched_tokens`` >= the context). It is off on the
+    CPU only: a prompt prefilled in chunks has the token drawn at each partial step thrown away and
+    its seeded generator rewound, which CPU generators cannot do ("CPU Generator does not use
+    offset"), so seeded requests (``SamplingParams.seed``) need whole prefills there."""
+    kwargs = dict(
+        model=model,
+        tokenizer=tokenizer,
+        dtype=cfg.dtype,
+        seed=seed,
+        max_model_len=max_model_len,
+        enforce_eager=cfg.enforce_eager or not gpu,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls=f"{WorkerExtension.__module__}.WorkerExtension",
+        disable_log_stats=True,
+        **quantization,
+    )
+    if gpu:
+        kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization,
+                      enable_sleep_mode=cfg.free_memory_during_training and cfg.placement == "colocated")
+    else:
+        kwargs.update(enable_chunked_prefill=False)
+    if return_routing:
+        kwargs.update(enable_return_routed_experts=True, enable_prefix_caching=True)
+    return kwargs
 
 
 def _sampled_logprobs(c, tokens: list[int], i: int, j: int) -> list[float]:
@@ -232,6 +264,7 @@ class VLLMEngine(RolloutEngine):
         # must report ready within rollout.startup_timeout_s).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.subprocess else "0"
         os.environ["VLLM_ENGINE_READY_TIMEOUT_S"] = str(int(self.cfg.startup_timeout_s))
+        os.environ[ENGINE_RANK] = str(os.getpid())  # its processes end with this one (plugin.py)
         if self.return_routing:
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # vLLM returns routed experts only from it
         gpu = has_gpu()
@@ -250,30 +283,9 @@ class VLLMEngine(RolloutEngine):
         vllm.envs.disable_envs_cache()
         if not self.subprocess:
             forget_dead_vllm_groups()
-        cfg = self.cfg
-        kwargs = dict(
-            model=str(self.transport.start_dir or self.model_dir),
-            tokenizer=str(self.model_dir),
-            dtype=cfg.dtype,
-            seed=self.seed,
-            max_model_len=self._max_len,
-            enforce_eager=cfg.enforce_eager or not gpu,
-            tensor_parallel_size=cfg.tensor_parallel_size,
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls=f"{WorkerExtension.__module__}.WorkerExtension",
-            disable_log_stats=True,
-            **self._quant,
-        )
-        if gpu:
-            kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization,
-                          enable_sleep_mode=cfg.free_memory_during_training and cfg.placement == "colocated")
-        if self.return_routing:
-            kwargs.update(enable_return_routed_experts=True, enable_prefix_caching=True)
-        else:
-            # A prompt prefilled in chunks has the token drawn at each partial step thrown away and
-            # its seeded generator rewound, which vLLM's CPU generators cannot do ("CPU Generator
-            # does not use offset"): seeded requests (SamplingParams.seed) need whole prefills.
-            kwargs.update(enable_chunked_prefill=False)
+        kwargs = llm_kwargs(self.cfg, model=str(self.transport.start_dir or self.model_dir),
+                            tokenizer=str(self.model_dir), seed=self.seed, max_model_len=self._max_len,
+                            quantization=self._quant, gpu=gpu, return_routing=self.return_routing)
         try:
             with placement_env(self.placement):
                 self._llm = LLM(**kwargs)
@@ -362,11 +374,13 @@ class VLLMEngine(RolloutEngine):
             self._llm.sleep(level=1)
             self._asleep = {"weights", "kv_cache"}
 
-    def wake_up(self) -> None:
-        if self._asleep:
-            self._llm.wake_up(tags=sorted(self._asleep))
-            self._asleep = set()
-            self._llm.reset_prefix_cache()
+    def wake_up(self, tags: Optional[tuple[str, ...]] = None) -> None:
+        waking = self._asleep if tags is None else self._asleep & set(tags)
+        if waking:
+            self._llm.wake_up(tags=sorted(waking))
+            self._asleep -= waking
+            if "kv_cache" in waking:
+                self._llm.reset_prefix_cache()
 
     # ------------------------------------------------------------------------------- weights
 

@@ -12,11 +12,18 @@ core busy for as long as its worker computes. On a GPU that costs an otherwise i
 the CPU the cores are the compute, and two replicas on two cores would spend half of them
 spinning. With the variable set, readers wait on vLLM's notification socket at once, and look at
 the buffer again every :data:`RECHECK_MS` in case a notification was lost.
+
+Every process of our engine (:data:`ENGINE_RANK`: the pid of the rank that started it) ends with
+its parent (:func:`~megatron_alp.runtime.process.end_with_parent`): a rank killed by SIGKILL
+would otherwise leave its engine core running, an orphan holding its shared memory, and on a
+cluster its GPU memory, until the machine reboots.
 """
 
 from __future__ import annotations
 
 import os
+
+from megatron_alp.runtime.process import end_with_parent
 
 SLEEP_WHEN_IDLE = "MEGATRON_ALP_VLLM_SLEEP_WHEN_IDLE"
 # How long a reader that waits on the notification socket waits before it looks at the buffer
@@ -25,11 +32,19 @@ SLEEP_WHEN_IDLE = "MEGATRON_ALP_VLLM_SLEEP_WHEN_IDLE"
 # vLLM's 1 s spin after every read hides that; without the spin the reader would sit out the full
 # recheck interval for such a write, on every step of a generation.
 RECHECK_MS = 2
+# Set by the engine to the pid of the rank that starts it; its processes inherit it.
+ENGINE_RANK = "MEGATRON_ALP_ENGINE_RANK_PID"
 
 
 def register() -> None:
-    if os.environ.get(SLEEP_WHEN_IDLE) != "1":
-        return
+    rank = os.environ.get(ENGINE_RANK)
+    if rank is not None and int(rank) != os.getpid():
+        end_with_parent(int(rank))
+    if os.environ.get(SLEEP_WHEN_IDLE) == "1":
+        sleep_when_idle()
+
+
+def sleep_when_idle() -> None:
     from vllm.distributed.device_communicators import shm_broadcast
 
     spin = getattr(shm_broadcast, "SpinCondition", None)

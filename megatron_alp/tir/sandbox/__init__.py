@@ -18,7 +18,8 @@ does.
 
 Modules: :mod:`.executor` (the trainer's side: :class:`SandboxExecutor`), :mod:`.confine` (the
 program each execution runs to confine itself), :mod:`.syscall_filter` (the seccomp policy),
-:mod:`.cleanup` (removing trees untrusted code wrote, for the unsafe mode).
+:mod:`.cgroup` (the memory cgroup of each execution), :mod:`.cleanup` (removing trees untrusted
+code wrote, for the unsafe mode).
 """
 
 from megatron_alp.tir.sandbox.executor import ExecutionResult, SandboxExecutor, SandboxUnavailableError

@@ -11,13 +11,15 @@ Isolated mode, as processes:
 * the outer process (root, or an unprivileged uid that creates a user namespace) unshares the
   mount, PID, network, IPC, UTS and cgroup namespaces and forks
 * init, pid 1 of the new PID namespace, which names the host ``sandbox``, builds a private root
-  file system (read-only views of the system and Python directories, a fresh ``/proc`` with the
-  kernel's key and debugging files masked, a size-limited tmpfs at ``/sandbox``, also ``/tmp``),
+  file system (read-only views of the system and Python directories, the virtual environment at a
+  neutral path, a fresh ``/proc`` with the kernel's key and debugging files masked, a size-limited
+  tmpfs at ``/sandbox``, also ``/tmp``),
   pivots into it, forks the worker, drops its own capabilities and reports the worker's exit
   status. When init dies the kernel kills every process of the namespace, and the tmpfs goes with
   the namespace;
-* the worker drops to an unprivileged uid without capabilities, sets ``no_new_privs`` and
-  resource limits, loads the seccomp filter (:mod:`.syscall_filter`) and runs the code.
+* the worker starts a session of its own (``kill(0, ...)`` reaches only the code's processes),
+  drops to an unprivileged uid without capabilities, sets ``no_new_privs`` and resource limits,
+  loads the seccomp filter (:mod:`.syscall_filter`) and runs the code.
 
 Each process is killed when its parent dies (``PR_SET_PDEATHSIG``), so killing the trainer
 takes every execution with it. In unsafe mode the started process is the worker itself (already
@@ -173,6 +175,9 @@ def _build_root(spec: dict) -> list[str]:
         _bind_read_only(path, target)
         targets.append(target)
     _remount_submounts_read_only(targets)
+    active = ["private_proc", "private_tmpfs", "disk_quota"]
+    if spec["venv"]:
+        active += _mount_venv(root, *spec["venv"], spec["venv_masks"])
     os.makedirs(root + "/dev")
     for dev in ("null", "zero", "full", "random", "urandom"):
         if os.path.exists("/dev/" + dev):
@@ -196,7 +201,34 @@ def _build_root(spec: dict) -> list[str]:
         os.chroot(".")
     os.chdir("/")
     _mount(None, "/", None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
-    return ["private_proc", "private_tmpfs", "disk_quota"]
+    return active
+
+
+def _mount_venv(root: str, host: str, neutral: str, masks: dict) -> list[str]:
+    """The virtual environment, read-only at ``neutral``: through an overlay whose only layer
+    is a bind that is detached at once, so /proc/self/mountinfo names neither the host path nor
+    the directory holding it (a bind's mount root would); a plain bind where overlays are not
+    available. Files that name those paths are replaced by ``masks``."""
+    lower, target = root + "/.lower", root + neutral
+    os.makedirs(lower + "/venv")
+    os.makedirs(lower + "/empty")
+    os.makedirs(target)
+    _bind_read_only(host, lower + "/venv")
+    try:
+        _mount("overlay", target, "overlay", _MS_RDONLY | _MS_NOSUID | _MS_NODEV,
+               f"lowerdir={lower}/venv:{lower}/empty")
+        active = ["host_paths_hidden"]
+    except OSError:
+        _bind_read_only(host, target)
+        active = []
+    _check(_LIBC.umount2((lower + "/venv").encode(), _MNT_DETACH), "umount the staging bind")
+    for i, (relative, text) in enumerate(sorted(masks.items())):
+        replacement = f"{lower}/mask-{i}"
+        with open(replacement, "w") as f:
+            f.write(text)
+        _mount(replacement, f"{target}/{relative}", None, _MS_BIND)
+        _mount(None, f"{target}/{relative}", None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
+    return active
 
 
 def _mask_proc(root: str) -> None:
@@ -254,6 +286,7 @@ def _isolate(spec: dict, status_fd: int) -> list[str]:
     if worker:
         _run_init(worker, status_fd)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.setsid()  # kill(0, ...) reaches the code's own processes, never init or the outer process
     return active
 
 
@@ -386,7 +419,7 @@ def _install_audit_hook(workdir: str) -> None:
 
 
 def _confine(spec: dict, status_fd: int) -> list[str]:
-    active = ["empty_env", "process_group_kill"]
+    active = ["empty_env", "process_group_kill", "own_session"]  # unsafe: the executor starts a session
     if spec["isolated"]:
         active += _isolate(spec, status_fd)
         workdir = SANDBOX_DIR
@@ -465,6 +498,7 @@ def main() -> None:
         protections = _confine(spec, status_fd)
         import site  # the environment's packages, now that nothing they run can leave the sandbox
 
+        sys.executable = spec["executable"]  # where site finds the virtual environment, and children start
         site.main()
     except SetupError as err:
         report(status_fd, setup_error=str(err), missing=err.missing)

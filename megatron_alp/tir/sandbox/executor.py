@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import marshal
 import os
-import select
+import selectors
 import signal
 import stat
 import subprocess
@@ -28,12 +29,14 @@ from queue import SimpleQueue
 from typing import TYPE_CHECKING, Optional
 
 from megatron_alp.config import InputError
+from megatron_alp.tir.sandbox.cgroup import ExecutionCgroups
 from megatron_alp.tir.sandbox.cleanup import remove_tree
 from megatron_alp.tir.sandbox.syscall_filter import compile_filter
 
 if TYPE_CHECKING:
     from megatron_alp.config import SandboxConfig
 
+LOG = logging.getLogger(__name__)
 SANDBOX_UID_BASE = 61000
 SANDBOX_UID_COUNT = 4096
 # Output beyond this many times ``max_output_bytes`` stops the execution: reading more costs the
@@ -47,8 +50,14 @@ STOP_TIMEOUT_S = 5.0
 ISOLATED_PROTECTIONS = frozenset({
     "mount_namespace", "pid_namespace", "net_namespace", "ipc_namespace", "uts_namespace", "cgroup_namespace",
     "private_proc", "private_tmpfs", "disk_quota", "cap_drop", "no_new_privs", "seccomp", "rlimit_cpu", "rlimit_as",
-    "rlimit_fsize", "rlimit_nofile", "rlimit_nproc", "empty_env", "process_group_kill",
+    "rlimit_fsize", "rlimit_nofile", "rlimit_nproc", "empty_env", "process_group_kill", "own_session",
 })
+# Where isolated executions see the virtual environment (its host path names the project).
+VENV_DIR = "/venv"
+# Files of the virtual environment that name host paths: pyvenv.cfg, editable installs' path hooks
+# and finders, and each distribution's direct_url.json.
+_VENV_FILE_PATTERNS = ("pyvenv.cfg", "lib/python*/site-packages/*.pth", "lib/python*/site-packages/__editable__*",
+                       "lib/python*/site-packages/*.egg-link", "lib/python*/site-packages/*.dist-info/direct_url.json")
 
 # Fixed environment of the executed code: nothing of the trainer's (HOME and TMPDIR are set inside).
 _CHILD_ENV = {
@@ -148,14 +157,20 @@ class SandboxExecutor:
     ...     [r.text for r in ex.run_many(["print(1 + 1)", "1 / 0"])]
     """
 
-    def __init__(self, cfg: "SandboxConfig", base_dir: Optional[str] = None, isolation: str = "auto"):
+    def __init__(self, cfg: "SandboxConfig", base_dir: Optional[str] = None, isolation: str = "auto",
+                 cgroup: str = "auto"):
         """``isolation``: ``auto`` (as root: namespaces built with root's privileges, else an
         unprivileged user namespace), ``user_namespace`` (the unprivileged path even as root) or
         ``none`` (the unsafe mode; needs ``cfg.allow_unsafe``). The last two exist to test and
-        debug those paths. ``base_dir``: where the unsafe mode makes its working directories (the
-        system's temporary directory by default); isolated executions write nothing to the host."""
+        debug those paths. ``cgroup``: ``auto`` (a memory cgroup per execution where this machine
+        lets this process make one) or ``off`` (the weaker memory bound without; to test it and
+        to measure the cgroup's cost). ``base_dir``: where the unsafe mode makes its working
+        directories (the system's temporary directory by default); isolated executions write
+        nothing to the host."""
         if isolation not in ("auto", "user_namespace", "none"):
             raise ValueError(f"isolation={isolation!r}: expected 'auto', 'user_namespace' or 'none'")
+        if cgroup not in ("auto", "off"):
+            raise ValueError(f"cgroup={cgroup!r}: expected 'auto' or 'off'")
         if isolation == "none" and not cfg.allow_unsafe:
             raise ValueError("isolation='none' runs code without isolation: it needs tir.sandbox.allow_unsafe: true")
         self.cfg = cfg
@@ -175,16 +190,32 @@ class SandboxExecutor:
         self._start_cores = tuple(sorted(os.sched_getaffinity(0)))
         self.setup_notes: list[str] = []
         self.protections: frozenset[str] = frozenset()
+        self._cgroups: Optional[ExecutionCgroups] = None
+        self.memory_bound = ""
+        self.startup_line = ""
         try:
-            self._start(isolation)
+            self._start(isolation, cgroup)
         except BaseException:
             self.close()
             raise
+        LOG.info(self.startup_line)
 
-    def _start(self, isolation: str) -> None:
+    def _start(self, isolation: str, cgroup: str) -> None:
         """Choose the strongest mode that works here, or raise :class:`SandboxUnavailableError`."""
+        cfg = self.cfg
+        if cgroup == "auto":
+            self._cgroups, where = ExecutionCgroups.find()
+        else:
+            where = "switched off"
+        if self._cgroups is not None:
+            self._finalizers.append(weakref.finalize(self, self._cgroups.close))
+            self.memory_bound = (f"memory cgroup per execution ({where}): {cfg.memory_mb + cfg.disk_mb} MiB for all "
+                                 "its memory (processes, System V IPC, memfd, tmpfs), no swap")
+        else:
+            self.memory_bound = (f"no memory cgroup ({where}): {cfg.memory_mb} MiB of address space per process "
+                                 f"(x {cfg.max_processes}) + {cfg.disk_mb} MiB tmpfs, memfd_create refused")
         try:
-            self._seccomp: Optional[str] = compile_filter().hex()
+            self._seccomp: Optional[str] = compile_filter(self._cgroups is not None).hex()
         except (RuntimeError, OSError) as err:
             self._seccomp = None
             self.setup_notes.append(f"seccomp: {err}")
@@ -203,6 +234,10 @@ class SandboxExecutor:
                     "where unprivileged user namespaces and seccomp are available (see docs/sandbox.md), or set "
                     "tir.sandbox.allow_unsafe: true to run model-written code WITHOUT isolation "
                     "(local debugging only)")
+            if self._seccomp is None:
+                raise SandboxUnavailableError(
+                    f"the TIR sandbox refuses even its unsafe mode without a system-call filter ({reason}): "
+                    "install the libseccomp2 system package")
             warnings.warn(f"the TIR sandbox runs in its UNSAFE mode (tir.sandbox.allow_unsafe): {reason}",
                           RuntimeWarning, stacklevel=3)
         self._mode = "unsafe"
@@ -216,6 +251,14 @@ class SandboxExecutor:
             raise SandboxUnavailableError(f"the TIR sandbox does not start here even in its unsafe mode{hint}: "
                                           f"{problem}")
 
+    def _describe(self) -> str:
+        """The start-up line: mode, protections and which memory bound holds."""
+        mode = {"root": "full isolation (namespaces built as root)",
+                "user_namespace": "full isolation (unprivileged user namespace)",
+                "unsafe": "UNSAFE mode (no namespaces)"}[self._mode]
+        return (f"TIR sandbox: {mode}, {self.cfg.workers} workers; memory: {self.memory_bound}; "
+                f"protections: {', '.join(sorted(self.protections))}")
+
     def _probe(self, required: frozenset) -> Optional[str]:
         """Run ``pass``; None if it worked with every ``required`` protection, else why not."""
         probe = self.run("pass", wall_time_s=max(self.cfg.wall_time_s, PROBE_WALL_TIME_S))
@@ -225,6 +268,7 @@ class SandboxExecutor:
         if missing:
             return f"missing protections: {', '.join(sorted(missing))}"
         self.protections = frozenset(probe.protections)
+        self.startup_line = self._describe()
         return None
 
     # ------------------------------------------------------------------ public API
@@ -288,6 +332,9 @@ class SandboxExecutor:
             "status_fd": status_w,
             "workdir": workdir,
             "ro_binds": _ro_binds(),
+            "venv": [_VENV, VENV_DIR] if _VENV else None,
+            "venv_masks": _VENV_MASKS,
+            "executable": VENV_DIR + _VENV_EXECUTABLE if isolated and _VENV else sys.executable,
             "disk_mb": cfg.disk_mb,
             "cpu_s": cfg.cpu_time_s,
             "memory_mb": cfg.memory_mb,
@@ -299,19 +346,26 @@ class SandboxExecutor:
         as_uid = {} if uid is None or self._mode == "root" else {"user": uid, "group": uid, "extra_groups": []}
         # this pool thread's affinity, which the execution's process inherits
         os.sched_setaffinity(0, self.cores if self.cores is not None else self._start_cores)
-        proc = None
+        proc = group = None
         try:
+            if self._cgroups is not None:
+                group = self._cgroups.create((cfg.memory_mb + cfg.disk_mb) << 20, cfg.max_processes + 2)
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-u", "-c", _BOOTSTRAP],
+                [_INTERPRETER, "-I", "-S", "-u", "-c", _BOOTSTRAP],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(_CHILD_ENV),
                 cwd=workdir or "/", start_new_session=True, close_fds=True, pass_fds=(status_w,), **as_uid,
             )
             os.close(status_w)
             status_w = -1
+            if group is not None:  # before it reads the code: all it does from then on is charged there
+                group.attach(proc.pid)
             payload = _PROGRAM + json.dumps(spec).encode() + b"\n" + code.encode("utf-8", "surrogatepass")
             out, status, ending = self._collect(proc, payload, status_r, t0 + wall_time_s)
             messages = _parse_status(status)
             self._stop(proc, messages.get("init"), isolated, uid)
+            if group is not None:
+                messages["oom"] = group.oom_killed()
+                messages.setdefault("protections", []).append("memory_cgroup")
         finally:
             if status_w >= 0:
                 os.close(status_w)
@@ -322,6 +376,8 @@ class SandboxExecutor:
                     proc.wait()
                 proc.stdin.close()
                 proc.stdout.close()
+            if group is not None:
+                group.remove()
             if workdir is not None and not remove_tree(workdir, CLEANUP_TIMEOUT_S):
                 warnings.warn(f"sandbox: could not remove {workdir} within {CLEANUP_TIMEOUT_S:g} s",
                               RuntimeWarning, stacklevel=2)
@@ -336,39 +392,45 @@ class SandboxExecutor:
         out = _OutputBuffer(self.cfg.max_output_bytes)
         kill_at = self.cfg.max_output_bytes * OUTPUT_KILL_FACTOR
         status = bytearray()
-        stdout_fd = proc.stdout.fileno()
-        open_fds = {stdout_fd, status_fd}
+        stdin_fd = proc.stdin.fileno()
         pending = memoryview(payload)
-        os.set_blocking(proc.stdin.fileno(), False)
+        os.set_blocking(stdin_fd, False)
         exited_at = None
-        while open_fds:
-            now = time.monotonic()
-            if now >= deadline:
-                return out, status, "timeout"
-            writers = [proc.stdin.fileno()] if pending else []
-            ready, writable, _ = select.select(list(open_fds), writers, [], min(deadline - now, 0.1))
-            if writable:
-                try:
-                    pending = pending[os.write(writers[0], pending[:1 << 16]):]
-                except BrokenPipeError:  # it exited without reading all: its status says why
-                    pending = pending[:0]
-                if not pending:
-                    proc.stdin.close()
-            for fd in ready:
-                data = os.read(fd, 1 << 20)
-                if not data:
-                    open_fds.discard(fd)
-                elif fd == status_fd:
-                    status += data
-                else:
-                    out.add(data)
-                    if out.total > kill_at:
-                        return out, status, "output_limit"
-            if not ready and proc.poll() is not None:
-                # the started process is gone but something it left holds a pipe (unsafe mode)
-                exited_at = exited_at or now
-                if now - exited_at > 0.5:
-                    break
+        # a selector, not select(): the trainer may hold descriptors numbered above FD_SETSIZE (1024)
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout.fileno(), selectors.EVENT_READ)
+            sel.register(status_fd, selectors.EVENT_READ)
+            sel.register(stdin_fd, selectors.EVENT_WRITE)
+            while len(sel.get_map()) > (1 if pending else 0):
+                now = time.monotonic()
+                if now >= deadline:
+                    return out, status, "timeout"
+                events = sel.select(min(deadline - now, 0.1))
+                for key, mask in events:
+                    fd = key.fd
+                    if mask & selectors.EVENT_WRITE:
+                        try:
+                            pending = pending[os.write(fd, pending[:1 << 16]):]
+                        except BrokenPipeError:  # it exited without reading all: its status says why
+                            pending = pending[:0]
+                        if not pending:
+                            sel.unregister(fd)
+                            proc.stdin.close()
+                        continue
+                    data = os.read(fd, 1 << 20)
+                    if not data:
+                        sel.unregister(fd)
+                    elif fd == status_fd:
+                        status += data
+                    else:
+                        out.add(data)
+                        if out.total > kill_at:
+                            return out, status, "output_limit"
+                if not events and proc.poll() is not None:
+                    # the started process is gone but something it left holds a pipe (unsafe mode)
+                    exited_at = exited_at or now
+                    if now - exited_at > 0.5:
+                        break
         return out, status, "done"
 
     def _stop(self, proc: subprocess.Popen, init: Optional[int], isolated: bool, uid: Optional[int]) -> None:
@@ -409,6 +471,8 @@ class SandboxExecutor:
             status, note = "killed", f"Error: execution killed by signal {signal_name(sig)}"
             if sig == signal.SIGXCPU:
                 status, note = "cpu_limit", f"Error: CPU time limit exceeded ({_seconds(cfg.cpu_time_s)})"
+            elif sig == signal.SIGKILL and messages.get("oom"):
+                note = f"Error: memory limit exceeded ({cfg.memory_mb + cfg.disk_mb} MiB for the whole execution)"
             elif sig == signal.SIGKILL:
                 note = "Error: execution killed (SIGKILL: CPU or memory limit)"
             elif sig == signal.SIGXFSZ:
@@ -424,11 +488,46 @@ class SandboxExecutor:
         return ExecutionResult(text, status, exit_code, truncated, duration, protections)
 
 
+def _venv() -> tuple[Optional[str], str]:
+    """This interpreter's virtual environment (its real path) and the executable's path in it."""
+    if sys.prefix == sys.base_prefix:
+        return None, ""
+    return os.path.realpath(sys.prefix), "/" + os.path.relpath(sys.executable, sys.prefix)
+
+
+def _venv_masks(venv: Optional[str]) -> dict[str, str]:
+    """What isolated executions see instead of the virtual environment's files that name the
+    directory holding it (relative path -> content): those lines dropped; code (an editable
+    install's finder, and the ``.pth`` hook that imports it) emptied, since it would not run."""
+    if venv is None:
+        return {}
+    hidden = os.path.dirname(venv) if os.path.dirname(venv) != "/" else venv
+    texts = {}
+    for pattern in _VENV_FILE_PATTERNS:
+        for path in sorted(Path(venv).glob(pattern)):
+            try:
+                texts[path] = path.read_text(errors="replace")
+            except OSError:
+                pass
+    masks = {}
+    for path, text in texts.items():
+        if hidden in text and path.suffix not in (".py", ".pth"):
+            masks[str(path.relative_to(venv))] = "".join(
+                line for line in text.splitlines(keepends=True) if hidden not in line)
+        elif hidden in text:
+            masks[str(path.relative_to(venv))] = ""
+    emptied = {Path(p).stem for p, text in masks.items() if p.endswith(".py")}
+    for path, text in texts.items():
+        if path.suffix == ".pth" and any(stem in text for stem in emptied):
+            masks[str(path.relative_to(venv))] = ""
+    return masks
+
+
 def _ro_binds() -> list[str]:
-    """Host directories the sandbox sees read-only: the system and this Python installation."""
+    """Host directories the sandbox sees read-only at their own paths: the system and the Python
+    installation (a virtual environment is seen at ``VENV_DIR``)."""
     paths = ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc"]
-    for p in (sys.base_prefix, sys.prefix, sys.base_exec_prefix, sys.exec_prefix,
-              os.path.dirname(os.path.realpath(sys.executable))):
+    for p in (sys.base_prefix, sys.base_exec_prefix, os.path.dirname(_INTERPRETER)):
         paths.append(os.path.realpath(p))
     out: list[str] = []
     for p in paths:
@@ -527,3 +626,10 @@ def _sweep(pgrp: int, uid: Optional[int], timeout_s: float) -> None:
         if not found:
             return
         time.sleep(0.01)
+
+
+# The interpreter itself, not a virtual environment's link to it: the command line (and
+# ``sys.orig_argv``) of the executed code names no path inside the project.
+_INTERPRETER = os.path.realpath(sys.executable)
+_VENV, _VENV_EXECUTABLE = _venv()
+_VENV_MASKS = _venv_masks(_VENV)

@@ -22,14 +22,14 @@ import tempfile
 # execution: file calls act inside its private mounts, IPC calls inside its own IPC namespace.
 ALLOWED = (
     # memory
-    "brk", "mmap", "munmap", "mremap", "mprotect", "madvise", "msync", "mincore", "mlock", "mlock2",
-    "munlock", "mlockall", "munlockall", "membarrier", "memfd_create", "pkey_alloc", "pkey_free",
+    "brk", "mmap", "munmap", "mremap", "mprotect", "msync", "mincore", "mlock", "mlock2",
+    "munlock", "mlockall", "munlockall", "membarrier", "pkey_alloc", "pkey_free",
     "pkey_mprotect", "mseal", "map_shadow_stack",
     # files, directories, descriptors
-    "read", "write", "readv", "writev", "pread64", "pwrite64", "preadv", "pwritev", "preadv2", "pwritev2",
-    "open", "openat", "openat2", "creat", "close", "close_range", "lseek", "dup", "dup2", "dup3", "fcntl",
-    "flock", "fsync", "fdatasync", "sync_file_range", "ftruncate", "truncate", "fallocate", "fadvise64",
-    "readahead", "sendfile", "copy_file_range", "splice", "tee", "pipe", "pipe2", "ioctl",
+    "read", "write", "readv", "writev", "pread64", "pwrite64", "preadv", "pwritev",
+    "open", "openat", "openat2", "creat", "close", "close_range", "lseek", "dup", "dup2", "dup3",
+    "fsync", "fdatasync", "sync_file_range", "ftruncate", "truncate", "fallocate", "sendfile",
+    "copy_file_range", "splice", "tee", "pipe", "pipe2", "ioctl",
     "stat", "fstat", "lstat", "newfstatat", "statx", "statfs", "fstatfs", "access", "faccessat",
     "faccessat2", "readlink", "readlinkat", "getdents", "getdents64", "getcwd", "chdir", "fchdir",
     "mkdir", "mkdirat", "rmdir", "unlink", "unlinkat", "rename", "renameat", "renameat2", "link", "linkat",
@@ -37,14 +37,13 @@ ALLOWED = (
     "fchownat", "umask", "utime", "utimes", "utimensat", "futimesat", "mknod", "mknodat",
     "getxattr", "lgetxattr", "fgetxattr", "listxattr", "llistxattr", "flistxattr", "setxattr", "lsetxattr",
     "fsetxattr", "removexattr", "lremovexattr", "fremovexattr",
-    "inotify_init", "inotify_init1", "inotify_add_watch", "inotify_rm_watch",
     # waiting, time, scheduling
     "poll", "ppoll", "select", "pselect6", "epoll_create", "epoll_create1", "epoll_ctl", "epoll_wait",
     "epoll_pwait", "epoll_pwait2", "eventfd", "eventfd2", "timerfd_create", "timerfd_settime",
     "timerfd_gettime", "nanosleep", "clock_nanosleep", "clock_gettime", "clock_getres", "gettimeofday",
     "time", "times", "getitimer", "setitimer", "alarm", "timer_create", "timer_settime", "timer_gettime",
     "timer_getoverrun", "timer_delete", "pause", "futex", "futex_waitv", "set_robust_list",
-    "get_robust_list", "restart_syscall", "sched_yield", "sched_getaffinity", "sched_setaffinity",
+    "get_robust_list", "restart_syscall", "sched_yield", "sched_getaffinity",
     "sched_getparam", "sched_setparam", "sched_getscheduler", "sched_setscheduler", "sched_getattr",
     "sched_setattr", "sched_get_priority_max", "sched_get_priority_min", "sched_rr_get_interval",
     "getpriority", "setpriority", "getcpu", "getrandom",
@@ -58,12 +57,12 @@ ALLOWED = (
     "getuid", "geteuid", "getgid", "getegid", "getresuid", "getresgid", "getgroups", "setuid", "setgid",
     "setreuid", "setregid", "setresuid", "setresgid", "setfsuid", "setfsgid", "setgroups", "capget",
     "capset", "getrlimit", "setrlimit", "prlimit64", "getrusage", "sysinfo", "uname",
-    # System V and POSIX IPC (private to the execution's IPC namespace)
-    "shmget", "shmat", "shmdt", "shmctl", "semget", "semop", "semtimedop", "semctl", "msgget", "msgsnd",
-    "msgrcv", "msgctl", "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify",
+    # System V semaphores and POSIX IPC (private to the execution's IPC namespace)
+    "shmdt", "shmctl", "semget", "semop", "semtimedop", "semctl", "msgsnd", "msgrcv", "msgctl", "mq_open",
+    "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify",
     "mq_getsetattr",
-    # sockets (socket() itself: Unix domain only, below)
-    "socketpair", "bind", "connect", "listen", "accept", "accept4", "getsockname", "getpeername",
+    # sockets (socket() and socketpair(): Unix domain only, below)
+    "bind", "connect", "listen", "accept", "accept4", "getsockname", "getpeername",
     "sendto", "recvfrom", "sendmsg", "recvmsg", "sendmmsg", "recvmmsg", "shutdown", "setsockopt",
     "getsockopt",
 )
@@ -82,7 +81,25 @@ DENIED = (
     "adjtimex", "sethostname", "setdomainname", "vhangup", "personality", "modify_ldt", "uselib",
     "mbind", "set_mempolicy", "migrate_pages", "move_pages", "sync", "syncfs", "seccomp",
     "setsid", "setpgid",
+    # host state shared through the read-only views of host files: page-cache residency and
+    # eviction (a channel between executions, and disk reads no limit counts), locks (they block
+    # host writers), change notifications (host activity); and leaving the execution's cores
+    "fadvise64", "readahead", "flock", "inotify_init", "inotify_init1", "inotify_add_watch",
+    "inotify_rm_watch", "sched_setaffinity",
+    # System V shared memory and message queues: memory outside every process's address space
+    # (so outside RLIMIT_AS), which the unsafe mode would also leave on the host
+    "shmget", "shmat", "msgget",
 )
+
+# fcntl commands allowed (descriptor flags, owners, signals, pipe sizes, seals, hints), and those
+# refused with EPERM for the reasons above: record locks (classic and open-file description),
+# leases and directory change notification. Others get the default (ENOSYS).
+ALLOWED_FCNTL = (0, 1, 2, 3, 4, 8, 9, 10, 11, 15, 16, 17, 1030, 1031, 1032, 1033, 1034, 1035, 1036, 1037, 1038)
+DENIED_FCNTL = (5, 6, 7, 36, 37, 38, 1024, 1025, 1026, 1029)  # F_GETLK, F_SETLK(W), F_OFD_*, leases, F_NOTIFY
+# madvise advice allowed, and refused with EPERM: read-ahead and reclaim of file pages
+# (page-cache probes and eviction).
+ALLOWED_MADVISE = (0, 1, 2, 4, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 22, 23, 24, 25, 102, 103)
+DENIED_MADVISE = (3, 20, 21)  # MADV_WILLNEED, MADV_COLD, MADV_PAGEOUT
 
 CLONE_NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000,
                          0x40000000)  # NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET
@@ -90,9 +107,10 @@ AF_UNIX = 1
 
 
 @functools.lru_cache(maxsize=None)
-def compile_filter() -> bytes:
+def compile_filter(allow_memfd: bool) -> bytes:
     """The filter as a classic BPF program (``struct sock_filter`` array) for the native
-    architecture; raises :class:`RuntimeError` naming what is missing if libseccomp is not there."""
+    architecture; raises :class:`RuntimeError` naming what is missing if libseccomp is not there.
+    ``allow_memfd``: only where a memory cgroup counts memfd pages against the execution."""
     try:
         import pyseccomp as sc
     except (ImportError, RuntimeError) as err:  # pyseccomp raises RuntimeError without libseccomp
@@ -116,8 +134,20 @@ def compile_filter() -> bytes:
     for flag in CLONE_NAMESPACE_FLAGS:
         add(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
     # clone3 stays at the default (ENOSYS): its flags sit behind a pointer, and libc falls back to clone
-    add(sc.ALLOW, "socket", sc.Arg(0, sc.EQ, AF_UNIX))
-    add(sc.ERRNO(errno.EPERM), "socket", sc.Arg(0, sc.NE, AF_UNIX))
+    for name in ("socket", "socketpair"):
+        add(sc.ALLOW, name, sc.Arg(0, sc.EQ, AF_UNIX))
+        add(sc.ERRNO(errno.EPERM), name, sc.Arg(0, sc.NE, AF_UNIX))
+    # int arguments: the kernel reads only their low 32 bits, so the rules compare those
+    for name, arg, allowed, refused in (("fcntl", 1, ALLOWED_FCNTL, DENIED_FCNTL),
+                                        ("madvise", 2, ALLOWED_MADVISE, DENIED_MADVISE)):
+        for action, values in ((sc.ALLOW, allowed), (sc.ERRNO(errno.EPERM), refused)):
+            for value in values:
+                add(action, name, sc.Arg(arg, sc.MASKED_EQ, 0xFFFFFFFF, value))
+    # preadv2/pwritev2 flags (RWF_NOWAIT probes the page cache): none at all
+    for name in ("preadv2", "pwritev2"):
+        add(sc.ALLOW, name, sc.Arg(5, sc.EQ, 0))
+        add(sc.ERRNO(errno.EPERM), name, sc.Arg(5, sc.NE, 0))
+    add(sc.ALLOW if allow_memfd else sc.ERRNO(errno.EPERM), "memfd_create")
     with tempfile.TemporaryFile() as out:
         f.export_bpf(out)
         out.seek(0)

@@ -1,0 +1,57 @@
+"""Process hygiene (megatron_alp/runtime/process.py): a process tree that ends with the process above it."""
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import running
+
+# A "rank" that starts a child watching it, prints the child's pid, and waits to be killed.
+RANK = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], stdout=subprocess.PIPE, text=True)
+print(child.stdout.readline().strip(), flush=True)
+time.sleep(60)
+"""
+CHILD = """
+import os, signal, sys, time
+from megatron_alp.runtime.process import end_with_parent
+if sys.argv[1] == "ignore":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+end_with_parent(os.getppid(), grace_s=1.0, poll_s=0.05)
+print(os.getpid(), flush=True)
+time.sleep(60)
+"""
+
+
+
+@pytest.mark.parametrize("on_sigterm", ["exit", "ignore"])
+def test_a_child_ends_when_its_parent_is_killed(on_sigterm):
+    """SIGKILL the parent: the child gets SIGTERM at once, and SIGKILL after the grace period when
+    it ignores that."""
+    rank = subprocess.Popen([sys.executable, "-c", RANK, CHILD, on_sigterm], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(rank.stdout.readline())
+        time.sleep(0.3)
+        assert running(child)
+    finally:
+        rank.kill()
+        rank.wait()
+    t0 = time.monotonic()
+    while running(child) and time.monotonic() - t0 < 10:
+        time.sleep(0.02)
+    took = time.monotonic() - t0
+    assert not running(child)
+    assert took < 1.0 if on_sigterm == "exit" else 1.0 <= took < 5.0, took
+
+
+def test_a_child_whose_origin_is_gone_already_ends_at_once():
+    """The process that started the tree died before the watch began (its pid is no longer in use)."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    code = f"from megatron_alp.runtime.process import end_with_parent; import time; end_with_parent({gone.pid}); time.sleep(60)"
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], timeout=30)
+    assert proc.returncode == -signal.SIGTERM and time.monotonic() - t0 < 5
