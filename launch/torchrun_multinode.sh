@@ -13,6 +13,10 @@
 #   NPROC_PER_NODE [GPUS_PER_NODE, less len(rollout.gpus) with rollout.placement: separate]: trainer
 #     ranks per node (torchrun --nproc_per_node), read from the config and its KEY=VALUE overrides
 #   DRY_RUN=1   print the command instead of running it
+# SIGTERM or SIGUSR1 to this script (a cluster's preemption notice) goes to the trainer ranks, which
+# stop after their current iteration with a checkpoint; the script then exits with the ranks' own
+# code (torchrun reports any failed rank as 1): 75 stopped for preemption (run it again to resume),
+# 124 a phase hung past trainer.hang_deadline_s, 130 Ctrl-C.
 # The config's parallel layout must divide NNODES * NPROC_PER_NODE (the trainer checks and says so).
 # Relative paths in the config (trainer.output_dir, data files) are relative to the current directory.
 set -euo pipefail
@@ -79,4 +83,24 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
   echo
   exit 0
 fi
-exec "${cmd[@]}"
+MEGATRON_ALP_EXIT_FILE=$(mktemp "${TMPDIR:-/tmp}/megatron-alp-exit.XXXXXX")
+export MEGATRON_ALP_EXIT_FILE
+trap 'rm -f "$MEGATRON_ALP_EXIT_FILE"' EXIT
+"${cmd[@]}" &
+agent=$!
+# torchrun's agent would die of SIGUSR1 and give its ranks 30 s after SIGTERM: the notice goes to
+# the ranks (the agent's children) directly.
+interrupted=0
+forward() { interrupted=1; pkill "-$1" -P "$agent" || true; }
+trap 'forward USR1' USR1
+trap 'forward TERM' TERM
+while true; do
+  interrupted=0
+  if wait "$agent"; then rc=0; else rc=$?; fi
+  [ "$interrupted" = 1 ] || break  # a trapped signal ended the wait, not the agent: wait again
+done
+ranks=$(cat "$MEGATRON_ALP_EXIT_FILE" 2>/dev/null || true)
+if [ "$rc" -ne 0 ] && [[ $ranks =~ ^[0-9]+$ ]] && [ "$ranks" -ne 0 ]; then
+  exit "$ranks"
+fi
+exit "$rc"

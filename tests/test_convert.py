@@ -158,6 +158,9 @@ def test_optimizer_checkpoint_resumes_exactly(checkpoint_run):
     assert r["distopt0_float32"] == r["distopt1_bfloat16"] == "resumed step identical"
     assert r["tp1_to_tp2_resume_max_diff"] < 1e-6
     assert r["crash_leaves"] == ["iter_0000001"]
+    need = f"needs about {r['disk_full_previous_bytes'] / 2**20:.1f} MiB (the size of the last complete one)"
+    assert "the disk is full" in r["disk_full"] and need in r["disk_full"], r["disk_full"]
+    assert "the previous checkpoints are kept" in r["disk_full"]
 
 
 # ------------------------------------------------------------------------------------- CLI

@@ -145,10 +145,65 @@ def test_sigkill_during_save_resumes_to_the_same_metrics(straight_run, tmp_path)
         _same_metrics(a, b)
 
 
+def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(straight_run, tmp_path):
+    """The newest checkpoint's largest shard cut short after the save (a failing file system, a bad
+    copy): the resume says so in one line, takes the checkpoint before it, and trains to the metrics
+    of the run never damaged; the damaged checkpoint is replaced by an intact one."""
+    run = tmp_path / "damaged"
+    shutil.copytree(straight_run, run)
+    newest = run / "checkpoints" / "iter_0000003"
+    shard = max((p for p in newest.rglob("*.distcp")), key=lambda p: p.stat().st_size)
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.truncate(size // 2)
+    rc, out = train(run, *KILL_RUN)
+    assert rc == 0, out[-6000:]
+    line = f"checkpoint {newest} is damaged ({shard.relative_to(newest)} has {size // 2} bytes, {size} were written): " \
+           "resuming from iter_0000002"
+    assert line in out and f"resumed from {run / 'checkpoints' / 'iter_0000002'}" in out, out[-6000:]
+    resumed = metrics(run)
+    assert [r["iteration"] for r in resumed] == [0, 1, 2]
+    for a, b in zip(metrics(straight_run), resumed):
+        _same_metrics(a, b)
+    manifest = json.loads((newest / "checksums.json").read_text())["blake2b-128"]
+    assert all((newest / name).stat().st_size == entry[0] for name, entry in manifest.items())
+
+
+def test_a_preemption_notice_saves_and_the_requeued_run_resumes(straight_run, tmp_path):
+    """SIGUSR1 to launch/torchrun_multinode.sh (as SLURM's --signal sends it): the ranks finish the
+    iteration they are in, save, and the script exits 75 (requeue); the same command resumes from that
+    checkpoint to the metrics of the run never stopped."""
+    run = tmp_path / "preempted"
+    shutil.copytree(straight_run / "base_model", run / "base_model")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHON": sys.executable, "NNODES": "1",
+           "GPUS_PER_NODE": "1", "NPROC_PER_NODE": "1", "MASTER_PORT": str(free_port())}
+    cmd = ["bash", str(ROOT / "launch" / "torchrun_multinode.sh"), str(QUICKSTART), f"trainer.output_dir={run}",
+           *SMALL, *KILL_RUN]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("iteration 0 of 3"):
+            proc.send_signal(signal.SIGUSR1)  # to the script only: it passes the notice to the ranks
+            break
+    out = "".join(lines) + proc.communicate(timeout=600)[0]
+    assert proc.returncode == 75, out[-4000:]
+    stopped = re.search(r"preempted \(SIGUSR1: stopped after iteration (\d) with checkpoint (\S+); ", out)
+    assert stopped, out[-4000:]
+    saved = Path(stopped.group(2))
+    assert saved == run / "checkpoints" / f"iter_{int(stopped.group(1)) + 1:07d}" and saved.is_dir()
+    rc, out = train(run, *KILL_RUN)
+    assert rc == 0 and f"resumed from {saved}" in out, out[-6000:]
+    resumed = metrics(run)
+    assert [r["iteration"] for r in resumed] == [0, 1, 2]
+    for a, b in zip(metrics(straight_run), resumed):
+        _same_metrics(a, b)
+
+
 @pytest.mark.slow
 def test_sigkill_mid_training_resumes_to_the_same_metrics(straight_run, tmp_path):
-    """Killed in the middle of training (the default suite kills mid-iteration in async mode,
-    test_sigkill_mid_async_iteration_resumes): resumes to the metrics of the run never killed."""
+    """Killed in the middle of training: resumes to the metrics of the run never killed."""
     common = KILL_RUN
     straight = metrics(straight_run)
     run = tmp_path / "killed_in_training"

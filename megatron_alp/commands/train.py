@@ -2,7 +2,9 @@
 
 Every input is checked and the run directory locked before anything else happens, so a refused
 start changes nothing, not even the log of a run already using the directory. Ctrl-C stops the
-run with one line saying where it resumes.
+run with one line saying where it resumes; SIGTERM or SIGUSR1 (a cluster's preemption notice) stops
+it after the current iteration with a checkpoint and exits with the requeue code
+(:mod:`megatron_alp.runtime.preemption`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 from megatron_alp.commands.context import library_log
 from megatron_alp.resolve import load_config
 from megatron_alp.runtime.console import held_warnings, log_name, say
+from megatron_alp.runtime.preemption import EXIT_REQUEUE, Preempted, record_exit
 from megatron_alp.runtime.process import forks_die_with_their_parent
 from megatron_alp.trainer.trainer import RLTrainer
 from megatron_alp.training.dist_checkpoint import latest_checkpoint
@@ -33,6 +36,8 @@ def run(args) -> int:
     rank0 = int(os.environ.get("RANK", "0")) == 0
     trainer = RLTrainer(cfg)
     trainer.claim_run_dir()
+    trainer.stop.install()
+    code = 0
     with library_log(Path(cfg.trainer.output_dir) / "logs" / log_name(), None, announce=rank0):
         forks_die_with_their_parent()
         try:
@@ -41,10 +46,15 @@ def run(args) -> int:
         except KeyboardInterrupt:
             if rank0:
                 say(interrupted(trainer))
-            return EXIT_INTERRUPTED
+            code = EXIT_INTERRUPTED
+        except Preempted as stop:
+            if rank0:
+                say(f"preempted ({stop})")
+            code = EXIT_REQUEUE
         finally:
             trainer.close()
-    return 0
+    record_exit(code)
+    return code
 
 
 def interrupted(trainer: RLTrainer) -> str:

@@ -844,6 +844,14 @@ class TrainerConfig(_Section):
         description="Run the unperturbed old-policy logprob pass every iteration even when the loss "
         "does not need it, for the train-vs-rollout mismatch metrics and token-probability dumps.",
     )
+    hang_deadline_s: Optional[float] = Field(
+        3600.0,
+        gt=0,
+        description="A phase (rollout, logprob passes, update, weight sync, ...) that runs longer than this stops "
+        "the rank: it writes RUN/hang/rank_<r>.json (its phase, and where every other rank's heartbeat stands, so "
+        "the rank that did not arrive is named) with its threads' stacks, and exits 124, which the launch scripts "
+        "requeue. null: wait forever.",
+    )
     phase_ledger: bool = Field(
         False,
         description="Write what each rank holds at every phase entry (Megatron state measured from its storages, "

@@ -14,10 +14,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from megatron.core import parallel_state as ps
 
 from megatron_alp.algorithms.dynamic_sampling import Groups, zero_variance
 from megatron_alp.batches.scoring import overlong_penalties
 from megatron_alp.config import Config
+from megatron_alp.runtime.run_log import save_token_probs
 from megatron_alp.tir.multi_turn import tir_metrics
 
 
@@ -114,3 +116,19 @@ def run_summary(records: list[dict], seconds: float, run_dir: Path, k: int) -> t
              f"config {run_dir / 'config.yaml'}", f"log {run_dir / 'logs' / 'engine.log'}"]
     lines.append("wrote " + ", ".join(w for w in where if w))
     return lines, values
+
+
+def dump_token_probs(n: int, local, run_dir: Path, iteration: int) -> None:
+    """Up to ``n`` (train: old, unperturbed; rollout) token probability pairs of ``local``, the
+    rank's batch, saved by the one rank that has both (last pipeline stage, first TP and DP rank)."""
+    if not n or local.old_logprobs is None or not ps.is_pipeline_last_stage():
+        return
+    if ps.get_data_parallel_rank() != 0 or ps.get_tensor_model_parallel_rank() != 0:
+        return
+    keep = local.loss_mask > 0
+    train = local.old_logprobs[keep].exp().numpy()
+    rollout = local.rollout_logprobs[keep].exp().numpy()
+    if len(train) > n:
+        idx = np.random.default_rng(iteration).choice(len(train), n, replace=False)
+        train, rollout = train[idx], rollout[idx]
+    save_token_probs(run_dir, iteration, train, rollout)

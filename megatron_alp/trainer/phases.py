@@ -29,6 +29,7 @@ from typing import Iterator, Optional
 import torch
 
 from megatron_alp.runtime.platform import has_gpu
+from megatron_alp.trainer.hang_watch import HangWatch
 from megatron_alp.training.offload import KINDS, TrainingStateOffloader
 
 ENGINE_STATES = ("none", "asleep", "weights", "awake")  # no engine yet; all memory freed; weights only; all
@@ -104,7 +105,8 @@ class PhaseRunner:
     add up in :meth:`take_stats`.
     """
 
-    def __init__(self, ledger: Optional[Path] = None):
+    def __init__(self, ledger: Optional[Path] = None, watch: Optional[HangWatch] = None):
+        self.watch = watch  # trainer.hang_deadline_s: each entry is a heartbeat
         self.current: Optional[str] = None
         self.offloader: Optional[TrainingStateOffloader] = None
         self.measure: Optional[TrainingStateOffloader] = None  # reads residency when nothing is offloaded
@@ -143,6 +145,8 @@ class PhaseRunner:
         self.current = name
         if self._ledger is not None:
             self._record_entry(spec)
+        if self.watch is not None:
+            self.watch.beat(name, self.iteration)
 
     @contextlib.contextmanager
     def within(self, name: str) -> Iterator[None]:

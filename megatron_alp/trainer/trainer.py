@@ -23,7 +23,6 @@ import os
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
@@ -43,21 +42,24 @@ from megatron_alp.rollout.placement import pin_trainer_cores
 from megatron_alp.runtime.console import say
 from megatron_alp.runtime.parallel import destroy_distributed, init_distributed
 from megatron_alp.runtime.platform import has_gpu
-from megatron_alp.runtime.run_log import RunLogger, read_metrics, save_token_probs
+from megatron_alp.runtime.preemption import Preempted, StopRequests
+from megatron_alp.runtime.run_log import RunLogger, read_metrics
 from megatron_alp.runtime.seeding import derive_seed, seed_everything
 from megatron_alp.tir.sandbox import SandboxExecutor
 from megatron_alp.trainer.base_model import base_model_dir, check_model_dir, make_base_model
+from megatron_alp.trainer.hang_watch import HangWatch
 from megatron_alp.trainer.inputs import check_run_inputs
 from megatron_alp.trainer.memory_plan import check_fits
 from megatron_alp.trainer.metrics import (
     batch_metrics,
+    dump_token_probs,
     mean_dicts,
     run_summary,
     staleness_metrics,
     throughput_metrics,
     update_metrics,
 )
-from megatron_alp.trainer.phases import PhaseRunner, kill_engine_at_rollout, memory_in_use, peak_memory, timed
+from megatron_alp.trainer.phases import PHASES, PhaseRunner, kill_engine_at_rollout, memory_in_use, peak_memory, timed
 from megatron_alp.trainer.run_dir import (
     checkpoint_dir,
     claim_fresh,
@@ -67,7 +69,7 @@ from megatron_alp.trainer.run_dir import (
     write_config,
 )
 from megatron_alp.training.calibration import calibrate_sigma, calibration_due, calibration_line
-from megatron_alp.training.dist_checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from megatron_alp.training.dist_checkpoint import intact_checkpoint, load_checkpoint, save_checkpoint
 from megatron_alp.training.micro_batch import Batching
 from megatron_alp.training.offload import TrainingStateOffloader, offloader_for
 from megatron_alp.training.optim import learning_rates
@@ -96,6 +98,7 @@ class RLTrainer:
         self.logger = self.rollout = self.executor = self.batches = self._validation = self._lock = None
         self._claimed = False
         self.phases = PhaseRunner()
+        self.stop = StopRequests()  # the train command installs its signal handlers
 
     # ------------------------------------------------------------------------------- setup
 
@@ -119,8 +122,10 @@ class RLTrainer:
         self.claim_run_dir()
         init_distributed(cfg.parallel, seed=cfg.trainer.seed)
         self.rank = dist.get_rank()
-        if cfg.trainer.phase_ledger:
-            self.phases = PhaseRunner(ledger=self.run_dir / "phase_ledger" / f"rank_{self.rank}.jsonl")
+        deadline = cfg.trainer.hang_deadline_s
+        self.phases = PhaseRunner(
+            ledger=self.run_dir / "phase_ledger" / f"rank_{self.rank}.jsonl" if cfg.trainer.phase_ledger else None,
+            watch=HangWatch(deadline, self.run_dir, self.rank, list(PHASES)) if deadline else None)
         if self.rank == 0:
             write_config(self.run_dir, cfg)
         check_batch_layout(cfg.trainer, cfg.rollout.sampling.n, ps.get_data_parallel_world_size())
@@ -181,7 +186,9 @@ class RLTrainer:
         self.phases.attach(offloader=offloader, measure=TrainingStateOffloader(chunks, self.optimizer, kinds=()))
 
     def _maybe_resume(self) -> bool:
-        ckpt = latest_checkpoint(self.run_dir) if self.cfg.trainer.resume else None
+        if not self.cfg.trainer.resume:
+            return False
+        ckpt = intact_checkpoint(self.run_dir, log=say if self.rank == 0 else lambda line: None)
         if ckpt is None:
             return False
         extra = load_checkpoint(ckpt, self.policy_module, optimizer=self.optimizer, opt_param_scheduler=self.scheduler)
@@ -234,9 +241,15 @@ class RLTrainer:
                 metrics.update(self.validate())
             if self.rank == 0:
                 self.logger.log(self.iteration - 1, metrics)
-            if self.iteration % t.save_interval == 0 or self.iteration == t.iterations:
+            saved = self.iteration % t.save_interval == 0 or self.iteration == t.iterations
+            if saved:
                 self.save()
                 self._plot()
+            if self.iteration < t.iterations and self.stop.agreed():
+                if not saved:
+                    self.save()
+                raise Preempted(self.stop.signal or "a preemption signal on another rank", self.iteration,
+                                checkpoint_dir(self.run_dir, self.iteration))
         if self.rank == 0:
             lines, values = run_summary(read_metrics(self.run_dir)[0], time.time() - started, self.run_dir,
                                         self.cfg.eval.k)
@@ -280,7 +293,7 @@ class RLTrainer:
         out.update(m)
         out.update({k: v for k, v in (sync_stats or {}).items() if isinstance(v, (int, float))})
         out.update(throughput_metrics(float(batch.lengths.sum().item()), m))
-        self._dump_token_probs(local)
+        dump_token_probs(self.cfg.trainer.token_prob_samples, local, self.run_dir, self.iteration)
         return out
 
     def _logprob_passes(self, local, m: dict) -> None:
@@ -320,21 +333,6 @@ class RLTrainer:
             loss_metrics.append(metrics.reduce(ps.get_data_parallel_group()) if ps.is_pipeline_last_stage() else {})
         return step_stats, loss_metrics
 
-    def _dump_token_probs(self, local) -> None:
-        """Train (old, unperturbed) vs rollout token probabilities, from the rank that has both."""
-        n = self.cfg.trainer.token_prob_samples
-        if not n or local.old_logprobs is None or not ps.is_pipeline_last_stage():
-            return
-        if ps.get_data_parallel_rank() != 0 or ps.get_tensor_model_parallel_rank() != 0:
-            return
-        keep = local.loss_mask > 0
-        train = local.old_logprobs[keep].exp().numpy()
-        rollout = local.rollout_logprobs[keep].exp().numpy()
-        if len(train) > n:
-            idx = np.random.default_rng(self.iteration).choice(len(train), n, replace=False)
-            train, rollout = train[idx], rollout[idx]
-        save_token_probs(self.run_dir, self.iteration, train, rollout)
-
     def validate(self) -> dict:
         """``val/*`` metrics of the current policy on ``data.val_files`` (rank 0; {} elsewhere), with
         the same sample seeds at every evaluation (see :class:`~megatron_alp.batches.evaluation.Validation`)."""
@@ -373,6 +371,8 @@ class RLTrainer:
         dist.barrier()
 
     def close(self) -> None:
+        if self.phases.watch is not None:
+            self.phases.watch.stop()
         if self.logger is not None:
             self.logger.close()
         if self.rollout is not None:

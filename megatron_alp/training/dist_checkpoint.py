@@ -7,7 +7,10 @@ format, the layout it was written with, the HF config (its only copy) and the AL
 settings, so the export to HF needs nothing but the checkpoint. Every file is written into
 ``<dir>.tmp-XXXX`` and the folder is renamed only when all ranks are done, so a crash mid-save
 never leaves a folder that looks complete; :func:`latest_checkpoint` only considers folders with
-the metadata file.
+the metadata file. Before the rename every file's size and digest go into ``checksums.json``
+(:mod:`megatron_alp.training.checksums`), and a resume takes the newest checkpoint that still
+matches them (:func:`intact_checkpoint`). A save that runs out of disk space removes what it wrote,
+keeps the previous checkpoint and says how much space the checkpoint needs (:class:`DiskFullError`).
 
 ALP sigmas are saved under one key per global layer (``decoder.layers.{i}.alp_perturbation
 .log_sigma``), not in Megatron's layer-stacked form, because only the selected layers have one: a
@@ -17,6 +20,7 @@ under any pipeline split.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -34,6 +38,7 @@ from megatron.core.utils import unwrap_model
 from megatron_alp.models.families import load_hf_config
 from megatron_alp.models.hf_weights import check_model_matches, copy_hf_side_files, global_name, make_tmp_dir
 from megatron_alp.models.weight_mapping import is_sigma
+from megatron_alp.training.checksums import damage, write_manifest
 from megatron_alp.training.perturbation import controller_of
 
 META_FILE = "megatron_alp.json"
@@ -223,16 +228,63 @@ def save_checkpoint(
             }
             write_json_atomic(tmp / META_FILE, meta)
         _barrier()
+        write_manifest(tmp)
+        _barrier()
         if before_commit is not None:
             before_commit(tmp)
         _barrier()
         if _rank() == 0:
             commit_dir(tmp, final)
         _barrier()
-    except BaseException:
+    except BaseException as err:
+        written = _tree_bytes(tmp) if _disk_full(err) else 0
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        if _disk_full(err):
+            raise DiskFullError(final, written) from err
         raise
+
+
+class DiskFullError(OSError):
+    """A checkpoint save ran out of disk space; what it wrote is removed, the previous checkpoints stay."""
+
+    def __init__(self, final: Path, written: int):
+        free = shutil.disk_usage(final.parent).free
+        previous = next((_tree_bytes(d) for d in checkpoints_newest_first(final.parent.parent)), 0)
+        need = (f"about {_size(previous)} (the size of the last complete one)" if previous else
+                f"more than the {_size(written)} written before the disk filled")
+        super().__init__(
+            errno.ENOSPC,
+            f"checkpoint {final}: the disk is full ({_size(free)} free on {final.parent} after removing the "
+            f"partial save); a checkpoint of this run needs {need}; the previous checkpoints are kept: free "
+            "space or lower trainer.keep_checkpoints, then resume")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _disk_full(err: BaseException) -> bool:
+    """Whether ``err`` or an error it was raised from is ENOSPC (Megatron's writer wraps it)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno == errno.ENOSPC or "No space left on device" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _tree_bytes(path: Path) -> int:
+    """Bytes of the files under ``path``; files another rank removes meanwhile count as 0."""
+    total = 0
+    for folder, _, files in os.walk(path):  # os.walk skips folders that vanish
+        for name in files:
+            try:
+                total += os.stat(os.path.join(folder, name)).st_size
+            except FileNotFoundError:
+                continue
+    return total
 
 
 def read_metadata(ckpt_dir) -> dict:
@@ -306,12 +358,12 @@ def load_checkpoint(ckpt_dir, model, *, optimizer=None, opt_param_scheduler=None
     return torch.load(extra_file, weights_only=False) if extra_file.is_file() else {}
 
 
-def latest_checkpoint(run_dir) -> Optional[Path]:
-    """The newest complete checkpoint under ``run_dir/checkpoints/`` (None if there is none)."""
+def checkpoints_newest_first(run_dir) -> list[Path]:
+    """The complete checkpoints under ``run_dir/checkpoints/``, newest (iteration, step, save time) first."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
-        return None
-    best, best_key = None, None
+        return []
+    found = []
     for d in root.iterdir():
         if not d.is_dir() or ".tmp-" in d.name or ".old-" in d.name:
             continue
@@ -319,7 +371,25 @@ def latest_checkpoint(run_dir) -> Optional[Path]:
             meta = read_metadata(d)
         except (FileNotFoundError, ValueError, json.JSONDecodeError):
             continue
-        key = (meta["extra"].get("iteration", -1), meta["extra"].get("step", -1), meta.get("saved_at", 0.0))
-        if best_key is None or key > best_key:
-            best, best_key = d, key
-    return best
+        extra = meta["extra"]
+        found.append(((extra.get("iteration", -1), extra.get("step", -1), meta.get("saved_at", 0.0)), d))
+    return [d for _, d in sorted(found, key=lambda kd: kd[0], reverse=True)]
+
+
+def latest_checkpoint(run_dir) -> Optional[Path]:
+    """The newest complete checkpoint under ``run_dir/checkpoints/`` (None if there is none)."""
+    found = checkpoints_newest_first(run_dir)
+    return found[0] if found else None
+
+
+def intact_checkpoint(run_dir, log: Callable[[str], None]) -> Optional[Path]:
+    """Collective: the newest checkpoint whose files still match their checksums; each damaged
+    newer one is skipped with one ``log`` line saying what is wrong and which one is used instead."""
+    found = checkpoints_newest_first(run_dir)
+    for i, ckpt in enumerate(found):
+        problem = damage(ckpt)
+        if problem is None:
+            return ckpt
+        instead = f"resuming from {found[i + 1].name}" if i + 1 < len(found) else "no earlier checkpoint is left"
+        log(f"checkpoint {ckpt} is damaged ({problem}): {instead}")
+    return None

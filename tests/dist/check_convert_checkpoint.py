@@ -7,6 +7,7 @@ logits on a fixed batch go to WORK_DIR/export_reference.pt for the test of its H
 Usage: torchrun --nproc_per_node 2 check_convert_checkpoint.py WORK_DIR RESULT.json
 """
 
+import errno
 import json
 import sys
 from pathlib import Path
@@ -18,7 +19,13 @@ from megatron.core.utils import unwrap_model
 
 from common import build, pipeline_logits, rank, reinit, tokens
 from megatron_alp.config import OptimizerConfig, PerturbationConfig
-from megatron_alp.training.dist_checkpoint import latest_checkpoint, load_checkpoint, read_metadata, save_checkpoint
+from megatron_alp.training.dist_checkpoint import (
+    DiskFullError,
+    latest_checkpoint,
+    load_checkpoint,
+    read_metadata,
+    save_checkpoint,
+)
 from megatron_alp.models.hf_weights import iter_hf_weights
 from megatron_alp.models.tiny import make_tiny_model
 from megatron_alp.training.optim import build_optimizer, wrap_for_training
@@ -135,6 +142,26 @@ assert left == ["iter_0000001"], left
 assert latest_checkpoint(run).name == "iter_0000001"
 assert read_metadata(run / "checkpoints" / "iter_0000001")["extra"] == {"iteration": 1}
 results["crash_leaves"] = left
+
+
+# A disk that fills up during the save (the writer's ENOSPC, as Megatron wraps it): nothing partial is
+# left, the previous checkpoint stays, and the error says how much space a checkpoint needs.
+def disk_full(tmp: Path) -> None:
+    try:
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp / "__0_1.distcp"))
+    except OSError as err:
+        raise RuntimeError("CheckpointException: write failed") from err
+
+
+try:
+    save_checkpoint(run / "checkpoints" / "iter_0000003", model, extra={"iteration": 3}, before_commit=disk_full)
+    raise AssertionError("save did not raise")
+except DiskFullError as err:
+    results["disk_full"] = str(err)
+dist.barrier()
+assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_0000001"]
+results["disk_full_previous_bytes"] = sum(p.stat().st_size for p in (run / "checkpoints" / "iter_0000001").rglob("*")
+                                          if p.is_file())
 
 if rank() == 0:
     json.dump(results, open(result_path, "w"), indent=1)

@@ -1,0 +1,90 @@
+"""Hangs end: a phase that runs past ``trainer.hang_deadline_s`` stops the rank, saying where.
+
+A rank stuck in a collective (a dead peer, a wedged engine, a straggler past every timeout) would
+otherwise wait forever, and with it the whole job. Every rank beats a heartbeat file at each phase
+entry (``RUN/heartbeat/rank_<r>.json``: phase, iteration, time); a watchdog thread checks the age of
+its own phase. Past the deadline it writes ``RUN/hang/rank_<r>.json`` (its phase and iteration, and
+for every other rank where its heartbeat stands, so the rank that did not arrive is named), the
+stacks of all its threads next to it, prints one line, and exits with
+:data:`~megatron_alp.runtime.preemption.EXIT_HANG`, which the launch scripts requeue. Checkpoints
+are written atomically, so a hang during a save leaves nothing that looks complete.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+from megatron_alp.runtime.preemption import EXIT_HANG, record_exit
+
+
+class HangWatch:
+    def __init__(self, deadline_s: float, run_dir: Path, rank: int, order: list[str]):
+        self.deadline_s, self.rank, self.order = deadline_s, rank, order
+        self.beats, self.reports = Path(run_dir) / "heartbeat", Path(run_dir) / "hang"
+        self.beats.mkdir(parents=True, exist_ok=True)
+        self.phase, self.iteration, self.since = "setup", 0, time.monotonic()
+        self.stopped = False
+        threading.Thread(target=self._watch, name="megatron-alp-hang-watch", daemon=True).start()
+
+    def beat(self, phase: str, iteration: int) -> None:
+        self.phase, self.iteration, self.since = phase, iteration, time.monotonic()
+        path = self.beats / f"rank_{self.rank}.json"
+        tmp = path.with_name(f"{path.name}.tmp")
+        tmp.write_text(json.dumps({"phase": phase, "iteration": iteration, "time": time.time()}))
+        os.replace(tmp, path)
+        hang_for_test(phase, iteration, self.rank)
+
+    def stop(self) -> None:
+        """The run is over (finished, interrupted or failed): nothing is watched any more."""
+        self.stopped = True
+
+    def _watch(self) -> None:
+        while time.monotonic() - self.since <= self.deadline_s or self.stopped:
+            if self.stopped:
+                return
+            time.sleep(min(5.0, self.deadline_s / 10))
+        self._report()
+        record_exit(EXIT_HANG)
+        os._exit(EXIT_HANG)
+
+    def _report(self) -> None:
+        others = {}
+        for path in sorted(self.beats.glob("rank_*.json")):
+            try:
+                others[int(path.stem.split("_")[1])] = json.loads(path.read_text())
+            except (ValueError, json.JSONDecodeError, OSError):
+                continue
+        here = (self.iteration, self._index(self.phase))
+        behind = sorted(r for r, b in others.items() if (b["iteration"], self._index(b["phase"])) < here)
+        waited = time.monotonic() - self.since
+        self.reports.mkdir(parents=True, exist_ok=True)
+        report = {"rank": self.rank, "phase": self.phase, "iteration": self.iteration, "seconds": waited,
+                  "deadline_s": self.deadline_s, "ranks_behind": behind,
+                  "heartbeats": {str(r): {**b, "age_s": time.time() - b["time"]} for r, b in others.items()}}
+        (self.reports / f"rank_{self.rank}.json").write_text(json.dumps(report, indent=1))
+        with open(self.reports / f"rank_{self.rank}.stacks.txt", "w") as f:
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        where = (f"; ranks {behind} did not arrive (" + ", ".join(
+            f"rank {r} in {others[r]['phase']} of iteration {others[r]['iteration']}" for r in behind) + ")"
+                 if behind else "")
+        print(f"rank {self.rank}: phase {self.phase} of iteration {self.iteration} ran {waited:.0f} s, past "
+              f"trainer.hang_deadline_s={self.deadline_s:g}{where}; stopping (exit {EXIT_HANG}); report in "
+              f"{self.reports}", file=sys.stderr, flush=True)
+
+    def _index(self, phase: str) -> int:
+        return self.order.index(phase) if phase in self.order else -1
+
+
+def hang_for_test(phase: str, iteration: int, rank: int) -> None:
+    """Test hook: ``MEGATRON_ALP_HANG_AT=<phase>:<iteration>:<rank>`` makes that rank stop answering
+    as it enters that phase, to prove every rank's hang ends within the deadline."""
+    target = os.environ.get("MEGATRON_ALP_HANG_AT")
+    if target and target.split(":") == [phase, str(iteration), str(rank)]:
+        while True:
+            time.sleep(3600)
