@@ -87,6 +87,12 @@ def _perturbation(cfg: Config) -> None:
     if pert.calibrate_every and pert.init_std != "auto":
         raise ValueError(f"perturbation.calibrate_every: {pert.calibrate_every} re-calibrates sigma, which needs "
                          f"perturbation.init_std: auto (got {pert.init_std})")
+    s = cfg.rollout.sampling
+    if pert.init_std == "auto" and (s.top_p < 1.0 or s.top_k > 0):
+        raise ValueError(f"perturbation.init_std: auto with rollout.sampling.top_p={s.top_p}, top_k={s.top_k}: the "
+                         "engine's logprobs are renormalised over the kept tokens, a constant log(kept mass) per token "
+                         "that the calibration would count as mismatch; sample with top_p: 1.0 and top_k: -1, or set "
+                         "perturbation.init_std to a number")
     if pert.init_std == "auto" and not pert.enabled:
         raise ValueError(f"perturbation.init_std: auto calibrates the ALP noise, but loss.name={cfg.loss.name} "
                          "runs unperturbed (perturbation.enabled is false)")
@@ -111,6 +117,10 @@ def _moe(cfg: Config) -> None:
         moe = sorted(name for name, family in FAMILIES.items() if family.moe)
         raise ValueError(f"moe.routing_replay={replay} needs a mixture-of-experts model; model.tiny="
                          f"{cfg.model.tiny} is dense (use none, or model.tiny={'/'.join(moe)})")
+    if cfg.perturbation.moe_routing == "follow" and replay != "none":
+        raise ValueError(f"perturbation.moe_routing: follow with moe.routing_replay={replay}: the update pass would "
+                         "route on its own instead of replaying the experts; remove perturbation.moe_routing (a replay "
+                         "keeps them fixed) or set moe.routing_replay: none")
     if cfg.perturbation.moe_routing is None:
         cfg.perturbation.moe_routing = "fixed" if replay != "none" else "follow"
     engine_routing = cfg.rollout.return_routed_experts

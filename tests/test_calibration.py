@@ -1,12 +1,29 @@
 """``perturbation.init_std: auto``: sigma calibrated from the measured engine-training mismatch."""
 
+import dataclasses
 import math
+from types import SimpleNamespace
 
 import pytest
+import torch
 from helpers import read_results, torchrun
 
-from megatron_alp.config import PerturbationConfig
-from megatron_alp.training.calibration import _next_scale, calibration_due
+from megatron_alp.config import InputError, PerturbationConfig
+from megatron_alp.training import calibration
+from megatron_alp.training.calibration import (
+    MAX_EVALUATIONS,
+    MAX_SCALE,
+    NOISE_DRAWS,
+    TOLERANCE,
+    _next_scale,
+    calibrate_sigma,
+    calibration_due,
+    calibration_line,
+    real_positions,
+    robust_rms,
+)
+from megatron_alp.training.micro_batch import Batching, micro_batches
+from megatron_alp.training.rl_batch import RLBatch
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +102,108 @@ def test_the_search_step_solves_a_power_law_in_one_step():
     assert math.isfinite(_next_scale([(1e-2, 1e300)], target))
     assert _next_scale([(1e-2, 2e-5), (1.0, math.inf)], target) == pytest.approx(0.1)  # overflow: back off
     assert _next_scale([(1e-2, 2e-5), (1.0, math.nan)], target) == pytest.approx(0.1)
+
+
+# ------------------------------------------- failure modes (audit of issue 26), one process, no model
+
+
+class _Simulated:
+    """Stands in for the model's passes: ``rollout`` vs ``old`` logprobs given, and a perturbed pass
+    whose log-ratio to ``old`` is ``bound * tanh(sigma / rms) * z_j`` per token (draw j): KL grows
+    as sigma^2 for small sigma and saturates (as a policy swamped by noise does)."""
+
+    def __init__(self, monkeypatch, rollout, old, bound=2.0):
+        self.sigmas, self.passes, self.bound = [], 0, bound
+        self.rms = [0.5, 2.0]
+        self.batch = RLBatch(torch.zeros(old.shape, dtype=torch.long), torch.zeros(old.shape, dtype=torch.long),
+                             torch.ones(old.shape), rollout, torch.zeros(old.shape[0]),
+                             torch.full((old.shape[0],), old.shape[1]), old_logprobs=old)
+        fake_ps = SimpleNamespace(is_pipeline_last_stage=lambda: True, get_data_parallel_world_size=lambda: 1,
+                                  get_tensor_model_parallel_world_size=lambda: 1)
+        monkeypatch.setattr(calibration, "ps", fake_ps)
+        monkeypatch.setattr(calibration, "from_last_stage", lambda v: v)
+        monkeypatch.setattr(calibration, "layer_input_rms", lambda model, batch, passes: list(self.rms))
+        monkeypatch.setattr(calibration, "set_sigmas", lambda model, sigmas: self.sigmas.append(list(sigmas)))
+        monkeypatch.setattr(calibration, "compute_logprobs", self.perturbed)
+
+    def perturbed(self, model, batch, *, perturb_step, **passes):
+        self.passes += 1
+        z = torch.randn(batch.old_logprobs.shape, generator=torch.Generator().manual_seed(-perturb_step))
+        return batch.old_logprobs + self.bound * math.tanh(self.sigmas[-1][0] / self.rms[0]) * z
+
+    def calibrate(self, target):
+        cfg = PerturbationConfig(enabled=True, init_std="auto", calibration_target=target)
+        return calibrate_sigma(None, self.batch, cfg, iteration=0, batching=None, temperature=1.0, pad_id=0,
+                               fused=True)
+
+
+def _logprobs(seed, shape=(8, 50)):
+    return -torch.rand(shape, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_a_reachable_target_is_met(monkeypatch):
+    old = _logprobs(1)
+    sim = _Simulated(monkeypatch, old + 0.01 * _logprobs(2), old)
+    m = sim.calibrate(1.0)
+    assert m["calibration/perturbed_kl"] == pytest.approx(m["calibration/target_kl"], rel=TOLERANCE)
+    assert m["calibration/fallback"] == 0.0 and sim.sigmas[-1] == [m["calibration/scale"] * r for r in sim.rms]
+
+
+def test_an_unreachable_target_stops_with_an_error_naming_the_key(monkeypatch):
+    """Target 1e7 x the mismatch: the perturbed KL saturates below it, the search stops at the
+    largest scale it allows and refuses to go on with the closest candidate."""
+    old = _logprobs(1)
+    sim = _Simulated(monkeypatch, old + 0.01 * _logprobs(2), old)
+    with pytest.raises(InputError, match=r"^perturbation\.calibration_target: 1e\+07 x the engine-train KL .* out of "
+                                         r"reach.*perturbation\.init_std"):
+        sim.calibrate(1e7)
+    assert sim.passes <= MAX_EVALUATIONS * NOISE_DRAWS
+    assert max(s[0] for s in sim.sigmas) <= MAX_SCALE * sim.rms[0] * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("case", ["nan", "identical"])
+def test_no_measurable_mismatch_falls_back_to_the_default_sigma_with_a_warning(monkeypatch, case):
+    """A NaN measured KL, or an engine bit-identical to the trainer (KL 0), gives no size to match:
+    every sigma is perturbation.init_std's default (> 0: log-sigma finite, its gradient alive), the
+    metrics say so and the terminal line is a warning."""
+    old = _logprobs(1)
+    rollout = old.clone()
+    if case == "nan":
+        rollout[0, 0] = float("nan")
+    sim = _Simulated(monkeypatch, rollout, old)
+    m = sim.calibrate(1.0)
+    default = PerturbationConfig.model_fields["init_std"].default
+    assert sim.sigmas == [[default] * len(sim.rms)] and default > 0
+    assert m["calibration/fallback"] == 1.0 and sim.passes == 0
+    line = calibration_line(m, {"sigma/mean": default, "sigma/layer0/mean": default}, 1.0, 0)
+    assert line.startswith("WARNING: sigma not calibrated") and "perturbation.init_std" in line
+
+
+def test_the_layer_rms_excludes_padding_and_filler_micro_batches():
+    """real_positions marks, in a layer input's [tokens * rows] order, exactly each sequence's own
+    tokens, for padded and packed micro-batches; a filler micro-batch has none."""
+    lengths = torch.tensor([5, 2, 7])
+    batch = RLBatch(torch.ones(3, 7, dtype=torch.long), torch.ones(3, 7, dtype=torch.long), torch.ones(3, 7),
+                    torch.zeros(3, 7), torch.zeros(3), lengths)
+    for pack in (False, True):
+        mbs = micro_batches(batch, Batching(max_tokens=16, pack=True) if pack else Batching(size=2), pad_id=0,
+                            one_row=pack)
+        real = sum(int(real_positions(mb, False).sum()) for mb in mbs if not mb.filler)
+        assert real == int(lengths.sum()), pack
+        for mb in mbs:
+            keep = real_positions(mb, False).reshape(mb.tokens.shape[1], mb.tokens.shape[0]).T
+            assert keep.sum() == mb.batch.lengths.sum()
+    filler = dataclasses.replace(micro_batches(batch, Batching(size=3), pad_id=0)[0], filler=True)
+    assert not real_positions(filler, False).any()
+
+
+def test_a_few_massive_dimensions_do_not_set_the_rms():
+    """Qwen-like inputs: 4 of 256 dimensions 1000x larger. The plain RMS is ~125x the typical
+    dimension's; the robust RMS (median over dimensions of each dimension's RMS) stays within 5%."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(400, 256, generator=g, dtype=torch.float64)
+    x[:, :4] *= 1000.0
+    sums = torch.cat([(x ** 2).sum(0), torch.tensor([400.0], dtype=torch.float64)]).unsqueeze(0)
+    plain = float(x.pow(2).mean().sqrt())
+    (robust,) = robust_rms(sums)
+    assert robust == pytest.approx(1.0, rel=0.05) and plain > 100

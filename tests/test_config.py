@@ -82,8 +82,12 @@ def test_moe_defaults_and_resolution():
     r3 = config_from_dict({"model": {"tiny": "qwen3_moe"}, "moe": {"routing_replay": "r3"}})
     assert r3.perturbation.moe_routing == "fixed" and r3.rollout.return_routed_experts is True
     r2 = config_from_dict({"model": {"tiny": "qwen3_moe"}, "moe": {"routing_replay": "r2"},
-                           "perturbation": {"moe_routing": "follow"}, "rollout": {"return_routed_experts": True}})
-    assert r2.perturbation.moe_routing == "follow" and r2.rollout.return_routed_experts is True
+                           "rollout": {"return_routed_experts": True}})
+    assert r2.perturbation.moe_routing == "fixed" and r2.rollout.return_routed_experts is True
+    for replay in ("r2", "r3"):  # follow would drop the replayed experts in the update pass
+        with pytest.raises(ConfigError, match=rf"perturbation\.moe_routing: follow with moe\.routing_replay={replay}"):
+            config_from_dict({"model": {"tiny": "qwen3_moe"}, "moe": {"routing_replay": replay},
+                              "perturbation": {"moe_routing": "follow"}})
     hf = config_from_dict({"model": {"hf_path": "/models/any"}, "moe": {"routing_replay": "r2"}})
     assert hf.moe.routing_replay == "r2"  # dense or not is known once the model's config is read
 
@@ -107,3 +111,12 @@ def test_the_distributed_optimizer_defaults_on_exactly_for_half_precision_alp():
 
     assert resolved("bfloat16", "alp_token") is True and resolved("float16", "alp_seq") is True
     assert resolved("float32", "alp_token") is False and resolved("bfloat16", "grpo") is False
+
+
+@pytest.mark.parametrize("sampling", [{"top_p": 0.9}, {"top_k": 20}])
+def test_auto_sigma_with_top_p_or_top_k_is_refused(sampling):
+    """The engine's renormalised logprobs carry log(kept mass) on every token, which the calibration
+    would take for mismatch (sigma x148 at top_p 0.9)."""
+    with pytest.raises(ConfigError, match=r"perturbation\.init_std: auto with rollout\.sampling\.top_p=.*top_k="):
+        config_from_dict({**_minimal(), "perturbation": {"init_std": "auto"}, "rollout": {"sampling": sampling}})
+    config_from_dict({**_minimal(), "perturbation": {"init_std": 1e-4}, "rollout": {"sampling": sampling}})

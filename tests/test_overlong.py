@@ -54,6 +54,10 @@ def _cfg(**sections):
 def test_recipe_keys_are_off_by_default_and_checked():
     cfg = _cfg()
     assert (cfg.trainer.dynamic_sampling, cfg.loss.mask_truncated, cfg.reward.overlong_buffer) == (False, False, 0)
+    assert cfg.trainer.dynamic_sampling_filter == "correct"  # DAPO's rule
+    assert _cfg(trainer={"dynamic_sampling_filter": "reward"}).trainer.dynamic_sampling_filter == "reward"
+    with pytest.raises(ConfigError, match="trainer.dynamic_sampling_filter"):
+        _cfg(trainer={"dynamic_sampling_filter": "variance"})
     assert _cfg(reward={"overlong_buffer": 32}).reward.overlong_buffer == 32
     with pytest.raises(ConfigError, match="reward.overlong_buffer=33 is longer than rollout.sampling.max_response"):
         _cfg(reward={"overlong_buffer": 33})

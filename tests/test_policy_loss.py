@@ -27,6 +27,7 @@ from megatron_alp.resolve import config_from_dict, load_config
 
 # The paper's objectives (section 2 and the appendix table of importance ratios), written out here.
 LOSS_NAMES = ("alp_token", "alp_seq", "grpo", "gspo", "token_mis", "seq_mis", "token_tis", "seq_bypass")
+CORRECTIONS = ("cispo", "icepop")  # training-inference corrections beyond the paper, tested below
 SEQ_LEVEL = {"alp_seq", "seq_bypass", "seq_mis", "gspo"}
 PERTURBED = {"alp_token", "alp_seq"}
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
@@ -227,7 +228,7 @@ def _inputs(d, **over):
     return LossInputs(**kw)
 
 
-@pytest.mark.parametrize("name", LOSS_NAMES)
+@pytest.mark.parametrize("name", LOSS_NAMES + CORRECTIONS)
 def test_empty_response_contributes_nothing(name):
     d = make_batch(4, 8, seed=7)
     d["mask"][1] = 0  # an empty response
@@ -243,7 +244,7 @@ def test_empty_response_contributes_nothing(name):
     assert torch.isclose(loss.detach(), loss_rest, rtol=1e-12)
 
 
-@pytest.mark.parametrize("name", LOSS_NAMES)
+@pytest.mark.parametrize("name", LOSS_NAMES + CORRECTIONS)
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_all_masked_batch_is_zero_without_nan(name, aggregation):
     d = make_batch(3, 5, seed=8)
@@ -256,7 +257,7 @@ def test_all_masked_batch_is_zero_without_nan(name, aggregation):
     assert stats["values/ratio_loss"].numel() == 0
 
 
-@pytest.mark.parametrize("name", LOSS_NAMES)
+@pytest.mark.parametrize("name", LOSS_NAMES + CORRECTIONS)
 def test_identical_rewards_give_zero_policy_gradient(name):
     from megatron_alp.algorithms.advantages import group_advantages
 
@@ -269,7 +270,7 @@ def test_identical_rewards_give_zero_policy_gradient(name):
     assert torch.isfinite(lp.grad).all() and (lp.grad == 0).all()
 
 
-@pytest.mark.parametrize("name", LOSS_NAMES)
+@pytest.mark.parametrize("name", LOSS_NAMES + CORRECTIONS)
 def test_extreme_log_ratios_stay_finite(name):
     d = make_batch(4, 6, seed=10, padding=False)
     d["rollout"][0, :3] = -1e4  # pi_train / pi_rollout = e^(+1e4)
@@ -298,6 +299,100 @@ def test_fp32_inputs_with_huge_ratios_stay_finite():
     assert torch.isfinite(loss) and torch.isfinite(lp.grad).all()
 
 
+# ------------------------------------------- CISPO and IcePop, from their papers' formulas
+
+
+def _corrected(name: str, d: dict, **kw):
+    """The code's loss and d loss / d log pi_theta (token-mean, no KL or entropy term)."""
+    cfg = LossConfig(name=name, kl_coef=0.0, entropy_coef=0.0, **kw)
+    lp = d["lp"].clone().requires_grad_()
+    loss, stats = policy_loss(cfg, LossInputs(logprobs=lp, rollout_logprobs=d["rollout"], advantages=d["adv"],
+                                              mask=d["mask"], old_logprobs=d["old"]))
+    loss.backward()
+    return cfg, loss, lp.grad, stats
+
+
+def loss_tokens(mask) -> list[tuple[int, int]]:
+    """``(row, position)`` of every loss token."""
+    return [(i, t) for i in range(mask.shape[0]) for t in range(mask.shape[1]) if mask[i, t] != 0]
+
+
+@pytest.mark.parametrize("clip", [{}, {"clip_low": 0.2, "clip_high": 0.1}])
+def test_cispo_is_minimax_m1_eq4(clip):
+    """MiniMax-M1 eq. 4: J = 1/sum|o_i| sum_i sum_t sg(r^_it) A_i log pi_theta(o_it), r^ = clip(r, 1 - eps_low,
+    1 + eps_high), r = pi_theta / pi_old; its default sets no lower bound (eps_low = 1 here: r^ >= 0),
+    eps_high = 0.28. Loss = -J; its gradient is -r^_it A_i / N on every loss token, clipped or not."""
+    for seed, shape in ((3, (4, 7)), (4, (5, 11))):
+        d = make_batch(*shape, seed=seed)
+        d["old"] = d["lp"] + 0.6 * torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        cfg, loss, grad, stats = _corrected("cispo", d, **clip)
+        eps_low, eps_high = clip.get("clip_low", 1.0), clip.get("clip_high", 0.28)
+        assert (cfg.clip_low or 1.0, cfg.clip_high or 0.28) == (eps_low, eps_high)
+        n = float(d["mask"].sum())
+        value, expected_grad, high = 0.0, torch.zeros(shape, dtype=torch.float64), 0
+        for i, t in loss_tokens(d["mask"]):
+            r = math.exp(float(d["lp"][i, t] - d["old"][i, t]))
+            w = min(max(r, 1 - eps_low), 1 + eps_high)
+            high += r > 1 + eps_high
+            value += -w * float(d["adv"][i]) * float(d["lp"][i, t]) / n
+            expected_grad[i, t] = -w * float(d["adv"][i]) / n
+        assert loss.item() == pytest.approx(value, rel=1e-9)
+        assert torch.allclose(grad, expected_grad, rtol=1e-9, atol=1e-15)
+        assert high > 0 and stats["count/clip_high"].item() == high
+
+
+def test_cispo_keeps_the_gradient_of_a_clipped_token_that_ppo_drops():
+    """A token with r = e > 1 + eps_high and A > 0: PPO's clipped term is flat there (gradient 0),
+    CISPO's weight is clipped to 1 + eps_high and the token still gets -(1 + eps_high) A / N."""
+    lp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64)
+    d = dict(lp=lp, old=lp - torch.tensor([[1.0, 0.0]], dtype=torch.float64), rollout=lp.clone(),
+             adv=torch.tensor([2.0], dtype=torch.float64), mask=torch.ones(1, 2, dtype=torch.float64))
+    _, _, cispo_grad, stats = _corrected("cispo", d)
+    _, _, grpo_grad, _ = _corrected("grpo", d)
+    assert stats["count/clip_high"].item() == 1
+    assert cispo_grad[0, 0].item() == pytest.approx(-1.28 * 2.0 / 2)
+    assert grpo_grad[0, 0].item() == 0.0
+    assert cispo_grad[0, 1].item() == pytest.approx(grpo_grad[0, 1].item()) == pytest.approx(-2.0 / 2)
+
+
+@pytest.mark.parametrize("bounds", [{}, {"icepop_low": 0.8, "icepop_high": 1.5}])
+def test_icepop_is_ring_1t_masked_objective(bounds):
+    """Ring-1T (IcePop): J = 1/N sum_i sum_t M(k_it) min(r_it A_i, clip(r_it, 1 - eps, 1 + eps_high) A_i) with
+    k = pi_train(theta_old) / pi_infer(theta_old) per token, M(k) = k on [alpha, beta], 0 outside
+    (alpha 0.5, beta 5), r = pi_theta / pi_old. Loss = -J (no dual clip, as the report); its gradient
+    is -M(k) A r / N where the unclipped term is the smaller objective, else 0."""
+    alpha, beta = bounds.get("icepop_low", 0.5), bounds.get("icepop_high", 5.0)
+    eps_low, eps_high = 0.2, 0.28
+    for seed, shape in ((5, (4, 9)), (6, (6, 13))):
+        d = make_batch(*shape, seed=seed)
+        g = torch.Generator().manual_seed(seed)
+        d["rollout"] = d["old"] + torch.randn(shape, generator=g, dtype=torch.float64)  # |log k| ~ 1: both tails
+        cfg, loss, grad, stats = _corrected("icepop", d, clip_low=eps_low, clip_high=eps_high, dual_clip_c=None,
+                                            **bounds)
+        n = float(d["mask"].sum())
+        value, expected_grad, masked = 0.0, torch.zeros(shape, dtype=torch.float64), 0
+        for i, t in loss_tokens(d["mask"]):
+            k = math.exp(float(d["old"][i, t] - d["rollout"][i, t]))
+            m = k if alpha <= k <= beta else 0.0
+            masked += m == 0.0
+            r, a = math.exp(float(d["lp"][i, t] - d["old"][i, t])), float(d["adv"][i])
+            unclipped, clipped = r * a, min(max(r, 1 - eps_low), 1 + eps_high) * a
+            value += -m * min(unclipped, clipped) / n
+            expected_grad[i, t] = -m * a * r / n if unclipped <= clipped else 0.0
+        assert loss.item() == pytest.approx(value, rel=1e-9)
+        assert torch.allclose(grad, expected_grad, rtol=1e-9, atol=1e-15)
+        assert masked > 0 and stats["count/masked"].item() == masked
+        assert (grad[d["mask"] == 0] == 0).all()
+
+
+def test_correction_losses_resolve_their_defaults():
+    cispo = config_from_dict({"model": {"tiny": "qwen2"}, "loss": {"name": "cispo"}})
+    assert (cispo.loss.clip_low, cispo.loss.clip_high) == (1.0, 0.28) and cispo.perturbation.enabled is False
+    icepop = config_from_dict({"model": {"tiny": "qwen2"}, "loss": {"name": "icepop"}})
+    assert (icepop.loss.icepop_low, icepop.loss.icepop_high) == (0.5, 5.0)
+    assert needs_old_logprobs("cispo") and needs_old_logprobs("icepop")
+
+
 # ------------------------------------------------------------------------------ bad input
 
 
@@ -317,7 +412,9 @@ def test_unknown_loss_name_is_a_clear_error():
     [
         ("dual_clip_c", 1.0, "dual clip c must be > 1"),
         ("dual_clip_c", 0.5, "dual clip c must be > 1"),
-        ("clip_low", 1.0, "less than 1"),
+        ("clip_low", 1.5, "less than or equal to 1"),
+        ("icepop_low", 1.5, "less than or equal to 1"),
+        ("icepop_high", 0.5, "greater than or equal to 1"),
         ("clip_low", 0.0, "greater than 0"),
         ("clip_high", -0.1, "greater than 0"),
         ("mis_threshold", 0.0, "greater than 0"),

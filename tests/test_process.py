@@ -1,12 +1,16 @@
-"""Process hygiene (megatron_alp/runtime/process.py): a process tree that ends with the process above it."""
+"""Process hygiene (megatron_alp/runtime/process.py): a process tree that ends with the process above it, and
+the shared memory it leaves."""
 
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from helpers import running
+
+from megatron_alp.runtime.process import clean_shared_memory_after
 
 # A "rank" that starts a child watching it, prints the child's pid, and waits to be killed.
 RANK = """
@@ -55,3 +59,51 @@ def test_a_child_whose_origin_is_gone_already_ends_at_once():
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", code], timeout=30)
     assert proc.returncode == -signal.SIGTERM and time.monotonic() - t0 < 5
+
+
+# Maps a shared-memory segment (created, or opened by name) and waits to be killed.
+HOLDER = """
+import sys, time
+from multiprocessing import resource_tracker, shared_memory
+name = sys.argv[1] if len(sys.argv) > 1 else None
+shm = shared_memory.SharedMemory(name=name, create=name is None, size=1 << 20)
+resource_tracker.unregister(shm._name, "shared_memory")  # as vLLM's readers: the tracker must not clean up
+print(shm.name, flush=True)
+time.sleep(60)
+"""
+
+
+def _hold(*name: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, *name], stdout=subprocess.PIPE, text=True)
+    return proc, proc.stdout.readline().strip()
+
+
+def _gone(path: Path, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not path.exists()
+
+
+def test_a_killed_process_leaves_no_shared_memory_that_nobody_uses():
+    """A SIGKILLed process cannot unlink its /dev/shm segments; its janitor does, once no live
+    process maps them any more: not while a reader still does, and at once after the reader ends."""
+    creator, name = _hold()
+    reader, same = _hold(name)
+    path = Path("/dev/shm") / name
+    try:
+        assert same == name and path.exists()
+        clean_shared_memory_after(creator.pid)
+        clean_shared_memory_after(reader.pid)
+        time.sleep(1.0)  # both janitors have seen the mapping
+        creator.kill()
+        creator.wait()
+        assert not _gone(path, timeout=3.0), "unlinked while the reader still maps it"
+        reader.kill()
+        reader.wait()
+        assert _gone(path), f"{path} outlived every process that mapped it"
+    finally:
+        for proc in (creator, reader):
+            proc.kill()
+            proc.wait()
+        path.unlink(missing_ok=True)

@@ -212,9 +212,7 @@ def _cfg(**sections):
     ("none", "alp_token", "fixed", (None, None, "old_routing", True)),
     ("r2", "grpo", None, (None, "old_routing", "old_routing", True)),
     ("r2", "alp_seq", None, (None, "old_routing", "old_routing", True)),
-    ("r2", "alp_seq", "follow", (None, "old_routing", None, True)),
     ("r3", "alp_token", None, ("rollout_routing", "rollout_routing", "rollout_routing", False)),
-    ("r3", "alp_token", "follow", ("rollout_routing", "rollout_routing", None, False)),
 ])
 def test_which_pass_replays_what(replay, loss, moe_routing, expected):
     pert = {} if moe_routing is None else {"moe_routing": moe_routing}

@@ -8,6 +8,7 @@ from pathlib import Path
 from helpers import running
 
 from megatron_alp.rollout.vllm.plugin import RECHECK_MS, SLEEP_WHEN_IDLE
+from megatron_alp.runtime.shm_janitor import mapped as mapped_shm
 
 PROBE = """
 from importlib.metadata import entry_points
@@ -52,6 +53,19 @@ time.sleep(600)
 
 
 
+def janitor_targets() -> set[str]:
+    """The pids that a shared-memory janitor (megatron_alp/runtime/shm_janitor.py) watches."""
+    targets = set()
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().decode().split("\0")
+        except OSError:
+            continue
+        if len(args) > 3 and args[2].endswith("shm_janitor.py"):
+            targets.add(args[3])
+    return targets
+
+
 def descendants(pid: int) -> list[int]:
     """``pid`` and every process below it."""
     found, todo = [], [pid]
@@ -66,7 +80,8 @@ def descendants(pid: int) -> list[int]:
 def test_engine_processes_end_when_the_rank_that_started_them_is_killed(tmp_path):
     """A rank (here a child process) starts our vLLM engine in its engine-core subprocess and is
     killed by SIGKILL, which it cannot handle: the engine core (whose parent the rank was) and its
-    workers end within seconds instead of running on as orphans."""
+    workers end within seconds instead of running on as orphans, and the /dev/shm segments they
+    mapped are removed."""
     log = tmp_path / "rank.log"
     with log.open("w") as out:  # a file, not a pipe: nothing dies of a reader that went away
         rank = subprocess.Popen([sys.executable, "-c", ENGINE_CHILD, str(tmp_path / "model")], stdout=out,
@@ -81,6 +96,11 @@ def test_engine_processes_end_when_the_rank_that_started_them_is_killed(tmp_path
         assert engine and all(running(p) for p in engine)
         processes = [p for e in engine for p in descendants(e)]
         assert set(processes) <= set(descendants(rank.pid))
+        segments = {Path("/dev/shm") / name for p in processes for name in mapped_shm(p)}
+        assert segments, "vLLM's processes share memory through /dev/shm"
+        # each has a janitor for the case where everything is SIGKILLed at once (tests/test_process.py)
+        holders = {str(p) for p in processes if mapped_shm(p)}
+        assert holders and holders <= janitor_targets(), (holders, janitor_targets())
     finally:
         rank.kill()
         rank.wait()
@@ -88,3 +108,6 @@ def test_engine_processes_end_when_the_rank_that_started_them_is_killed(tmp_path
     while any(running(p) for p in processes) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in processes if running(p)], "the engine's processes outlived their rank"
+    while any(s.exists() for s in segments) and time.monotonic() < deadline + 10:
+        time.sleep(0.1)
+    assert not [s for s in segments if s.exists()], "the engine's shared memory outlived its processes"

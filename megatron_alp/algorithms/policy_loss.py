@@ -1,8 +1,12 @@
-"""Policy objectives, chosen by name: ALP and the baselines of the paper's appendix table.
+"""Policy objectives, chosen by name: ALP, the baselines of the paper's appendix table, and the
+training-inference corrections in wide use (CISPO, IcePop).
 
-Every loss is the PPO/GRPO clipped surrogate ``max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``
-(dual-clipped at ``-A c`` for negative advantages) on ONE importance ratio ``r``; the losses differ
-only in which ratio they use, at which level, and in an optional detached per-token weight.
+Every loss but CISPO is the PPO/GRPO clipped surrogate ``max(-A r, -A clip(r, 1 - eps_low, 1 +
+eps_high))`` (dual-clipped at ``-A c`` for negative advantages) on ONE importance ratio ``r``; the
+losses differ only in which ratio they use, at which level, and in an optional detached per-token
+weight. CISPO (MiniMax-M1, eq. 4) declares ``objective="is_weighted"``: the REINFORCE term
+``-sg(clip(r, 1 - eps_low, 1 + eps_high)) A log pi_theta``, which clips the weight rather than
+dropping the token, so tokens outside the clip range still get gradient.
 
 Each loss is one function registered with :func:`register_policy_loss`, which declares
 everything about it: the ratio and correction it implements (for the docs table), its level,
@@ -77,6 +81,7 @@ class PolicyLoss:
     clip: tuple[float, float]  # default (clip_low, clip_high)
     ratio: str  # the clipped ratio, for the docs table
     correction: str = "—"  # the detached correction, for the docs table
+    objective: Literal["clipped", "is_weighted"] = "clipped"  # PPO's surrogate, or CISPO's weighted REINFORCE
 
     def clip_range(self, cfg: "LossConfig") -> tuple[float, float]:
         """``(clip_low, clip_high)``: the config's values, or this loss's defaults where unset."""
@@ -101,12 +106,15 @@ def register_policy_loss(
     needs_old: bool = False,
     clip: Optional[tuple[float, float]] = None,
     correction: str = "—",
+    objective: Literal["clipped", "is_weighted"] = "clipped",
 ):
     """Register ``fn(cfg, inputs, mask) -> Ratio`` as policy loss ``name`` with its properties
-    (``clip`` defaults to the paper's range for ``level``). Registering is all it takes for a new
-    loss to be selectable as ``loss.name``."""
+    (``clip`` defaults to the paper's range for ``level``; ``objective``: see the module docstring).
+    Registering is all it takes for a new loss to be selectable as ``loss.name``."""
     if level not in ("token", "seq"):
         raise ValueError(f"policy loss {name!r}: level must be 'token' or 'seq' (got {level!r})")
+    if objective not in ("clipped", "is_weighted"):
+        raise ValueError(f"policy loss {name!r}: objective must be 'clipped' or 'is_weighted' (got {objective!r})")
 
     def register(fn):
         if name in POLICY_LOSSES:
@@ -114,6 +122,7 @@ def register_policy_loss(
         POLICY_LOSSES[name] = PolicyLoss(
             name=name, ratio_fn=fn, paper=paper, level=level, perturbed=perturbed, needs_old=needs_old,
             clip=clip or (TOKEN_CLIP if level == "token" else SEQ_CLIP), ratio=ratio, correction=correction,
+            objective=objective,
         )
         return fn
 
@@ -234,6 +243,25 @@ def _seq_bypass(cfg, inputs, mask):
     return Ratio(_seq_vs_rollout(cfg, inputs, mask))
 
 
+@register_policy_loss("cispo", paper="CISPO (MiniMax-M1)", level="token", needs_old=True, clip=(1.0, 0.28),
+                      objective="is_weighted", ratio="pi_theta / pi_old, in -sg(clip(r)) A log pi_theta")
+def _cispo(cfg, inputs, mask):
+    """MiniMax-M1 sets no lower bound on the IS weight (its eps_low is 'a large value'): default
+    ``clip_low`` 1, i.e. r >= 0; only ``clip_high`` is tuned."""
+    return Ratio(token_log_ratio(inputs.logprobs, inputs.old_logprobs, mask))
+
+
+@register_policy_loss("icepop", paper="IcePop (Ring-1T)", level="token", needs_old=True, ratio="pi_theta / pi_old",
+                      correction="`k 1{alpha <= k <= beta}`, `k = pi_old / pi_rollout` per token")
+def _icepop(cfg, inputs, mask):
+    """Ring-1T's M(k): each token's objective is weighted by its train/engine ratio k and masked
+    where k leaves ``[icepop_low, icepop_high]`` (the report's [0.5, 5]): both tails, token by token."""
+    log_k = token_log_ratio(inputs.old_logprobs, inputs.rollout_logprobs, mask)
+    keep = (log_k >= math.log(cfg.icepop_low)) & (log_k <= math.log(cfg.icepop_high))
+    weight = torch.where(keep, log_k.clamp(max=math.log(cfg.icepop_high)).exp(), 0.0).detach()
+    return Ratio(token_log_ratio(inputs.logprobs, inputs.old_logprobs, mask), weight, ~keep & mask)
+
+
 # ------------------------------------------------------------------------------ the objective
 
 
@@ -254,6 +282,17 @@ def clipped_surrogate(
         dual = negative & (loss > cap)
         loss = torch.where(negative, torch.minimum(loss, cap), loss)
     return loss, low, high, dual
+
+
+def is_weighted_surrogate(
+    ratio: Tensor, logprobs: Tensor, advantages: Tensor, clip_low: float, clip_high: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per-token CISPO loss ``-sg(clip(r, 1 - clip_low, 1 + clip_high)) A log pi_theta`` (to minimise):
+    every token keeps the gradient ``-w A grad log pi_theta``; also the bool maps of tokens whose
+    weight the low and the high clip cut (no dual clip)."""
+    weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high).detach()
+    low, high = ratio < 1.0 - clip_low, ratio > 1.0 + clip_high
+    return -advantages * weight * logprobs, low, high, torch.zeros_like(low)
 
 
 def aggregate(values: Tensor, mask: Tensor, mode: str, global_tokens: float, global_seqs: float) -> Tensor:
@@ -343,7 +382,11 @@ def policy_loss(cfg: LossConfig, inputs: LossInputs) -> tuple[Tensor, dict[str, 
     if seq_level:
         ratio = ratio.unsqueeze(-1).expand_as(mask)
     adv = _wide(inputs.advantages).unsqueeze(-1).expand_as(mask)
-    per_token, low, high, dual = clipped_surrogate(ratio, adv, *spec.clip_range(cfg), cfg.dual_clip_c)
+    if spec.objective == "is_weighted":
+        logprobs = torch.where(mask, _wide(inputs.logprobs), 0.0)
+        per_token, low, high, dual = is_weighted_surrogate(ratio, logprobs, adv, *spec.clip_range(cfg))
+    else:
+        per_token, low, high, dual = clipped_surrogate(ratio, adv, *spec.clip_range(cfg), cfg.dual_clip_c)
     if r.weight is not None:
         per_token = per_token * r.weight
     policy = aggregate(per_token, mask, cfg.aggregation, tokens, seqs)

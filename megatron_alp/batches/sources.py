@@ -10,12 +10,13 @@ pipeline schedule once and its caller only passes a forward step:
   iterations while the trainer trains; a batch is trained on only when the weights that generated
   it are at most k versions old (older groups are generated again), and a resumed run restarts the
   sampler before the oldest batch not yet trained on.
-- :class:`DynamicSampling` (``trainer.dynamic_sampling``) wraps either: it keeps the groups whose
-  rewards differ and fills the batch with extra on-policy rounds
+- :class:`DynamicSampling` (``trainer.dynamic_sampling``) wraps either: it keeps the groups with
+  some but not all answers correct (or, with ``trainer.dynamic_sampling_filter: reward``, whose
+  rewards differ) and fills the batch with extra on-policy rounds
   (:func:`~megatron_alp.algorithms.dynamic_sampling.fill_batch`).
 
 Every source is collective: every rank draws the same prompts and gets the same trajectories and
-rewards. Each trajectory carries the weight version that generated it (``policy_version``). Sources
+scores. Each trajectory carries the weight version that generated it (``policy_version``). Sources
 add their timings and counts to the ``stats`` dict they are given (``timing/rollout_s``,
 ``timing/reward_s``, ``rollout/response_tokens``, ...).
 """
@@ -76,11 +77,11 @@ class OnPolicy(BatchSource):
         for t in trajectories:
             t.policy_version = self.rollout.version
         t1 = time.time()
-        rewards = self.scorer(trajectories, chosen, self.rollout.broadcast)
+        rewards, correct = self.scorer(trajectories, chosen, self.rollout.broadcast)
         _tally(stats, "timing/rollout_s", t1 - t0)
         _tally(stats, "timing/reward_s", time.time() - t1)
         _tally(stats, "rollout/response_tokens", _response_tokens(trajectories))
-        return Groups(chosen, trajectories, rewards)
+        return Groups(chosen, trajectories, rewards, correct)
 
     def resume_state(self) -> dict:
         return self.sampler.state_dict()
@@ -145,10 +146,10 @@ class AheadByK(BatchSource):
                 t.policy_version = version
                 trajectories.append(t)
         t1 = time.time()
-        rewards = self.scorer(trajectories, submitted.prompts, self.rollout.broadcast)
+        rewards, correct = self.scorer(trajectories, submitted.prompts, self.rollout.broadcast)
         _tally(stats, "timing/reward_s", time.time() - t1)
         _tally(stats, "rollout/response_tokens", _response_tokens(trajectories))
-        return Groups(submitted.prompts, trajectories, rewards)
+        return Groups(submitted.prompts, trajectories, rewards, correct)
 
     def resume_state(self) -> dict:
         """Before the oldest batch not yet trained on: batches generating ahead are lost with a
@@ -160,7 +161,7 @@ class AheadByK(BatchSource):
 
 class DynamicSampling(BatchSource):
     """DAPO dynamic sampling around another source: its batch, then extra on-policy rounds until
-    ``trainer.prompts_per_iteration`` groups have rewards that differ."""
+    ``trainer.prompts_per_iteration`` groups pass ``trainer.dynamic_sampling_filter``."""
 
     def __init__(self, cfg: Config, inner: BatchSource, rounds: OnPolicy):
         self.cfg, self.inner, self.rounds = cfg, inner, rounds
@@ -169,7 +170,8 @@ class DynamicSampling(BatchSource):
         t = self.cfg.trainer
         more: Callable[[int, int], Groups] = lambda k, r: self.rounds.round(iteration, k, r, stats)  # noqa: E731
         groups, counts = fill_batch(self.inner.next_batch(iteration, stats), more, wanted=t.prompts_per_iteration,
-                                    n=self.cfg.rollout.sampling.n, max_rounds=t.dynamic_sampling_max_rounds)
+                                    n=self.cfg.rollout.sampling.n, max_rounds=t.dynamic_sampling_max_rounds,
+                                    by=t.dynamic_sampling_filter)
         stats.update(counts)
         return groups
 

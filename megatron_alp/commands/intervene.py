@@ -190,7 +190,7 @@ def _rollout_batch(cfg: Config, engine, reward_fn, dataset, *, prompts: int, see
     t0 = time.time()
     trajectories = sample(engine, [p.prompt_ids for p in chosen], params, TIRConfig())
     seconds = time.time() - t0
-    rewards = torch.tensor(score(cfg, reward_fn, trajectories, chosen), dtype=torch.float32)
+    rewards = torch.tensor(score(cfg, reward_fn, trajectories, chosen).rewards, dtype=torch.float32)
     batch, truncated = training_batch(cfg, trajectories, rewards, pad)
     first = torch.tensor([len(t.prompt_ids) - 1 for t in trajectories])  # column of each response's first target
     positions = torch.arange(batch.tokens.shape[1]).unsqueeze(0) - first.unsqueeze(1)

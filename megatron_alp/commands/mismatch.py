@@ -15,6 +15,10 @@ of engine token probability and of response position, the trainer's own statisti
 the log-ratio quantiles the figure draws: the paper's conditional envelope. With ALP configured,
 it also says which sigmas ``perturbation.init_std: auto`` would choose for these settings.
 
+With ``--layers N`` it also says where the mismatch comes from: the first N sampled sequences go
+through both models once more, and :mod:`megatron_alp.diagnostics.layer_divergence` compares their
+hidden states layer by layer (``layers`` in mismatch.json, ``OUT/layers.png``).
+
 Writes ``OUT/mismatch.json``, ``OUT/mismatch.png`` and ``OUT/engine.log`` (engine and library
 output), and prints a table. One process, like ``megatron-alp eval``: the Megatron model is scored
 unsharded (TP = PP = 1; the config's ``parallel`` section is for training). docs/mismatch.md
@@ -39,9 +43,15 @@ from megatron_alp.commands.context import (
     refuse_torchrun,
     write_json,
 )
-from megatron_alp.config import Config, ParallelConfig, RolloutConfig, TIRConfig
+from megatron_alp.config import Config, InputError, ParallelConfig, RolloutConfig, TIRConfig
 from megatron_alp.data.prompts import PromptDataset, load_tokenizer, pad_id
 from megatron_alp.diagnostics.figures import probability_scatter
+from megatron_alp.diagnostics.layer_divergence import (
+    draw_layers,
+    format_layers,
+    layer_divergence,
+    megatron_layer_states,
+)
 from megatron_alp.diagnostics.mismatch_report import describe, draw_envelope, engine_settings, mismatch_report
 from megatron_alp.models.families import hf_to_megatron, load_hf_config
 from megatron_alp.resolve import load_config
@@ -59,10 +69,11 @@ SCATTER_POINTS = 20000
 
 
 def measure(cfg: Config, model_dir: str, *, prompts: int, n: Optional[int], max_tokens: Optional[int],
-            seed: int) -> tuple[dict, torch.Tensor, torch.Tensor]:
+            seed: int, layers: int = 0) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """Sample the probe with the config's engine, score it with the Megatron model; returns the
-    report (:func:`~megatron_alp.diagnostics.mismatch_report.mismatch_report` plus what was measured)
-    and the flat train and rollout logprobs."""
+    report (:func:`~megatron_alp.diagnostics.mismatch_report.mismatch_report` plus what was measured,
+    with ``layers``: the per-layer divergence on that many samples) and the flat train and rollout
+    logprobs."""
     s = cfg.rollout.sampling
     n = n or s.n
     max_tokens = min(max_tokens or s.max_response_length, s.max_response_length)
@@ -85,8 +96,13 @@ def measure(cfg: Config, model_dir: str, *, prompts: int, n: Optional[int], max_
             t0 = time.time()
             trajectories = sample(engine, [p.prompt_ids for p in data], params, TIRConfig())
             seconds = time.time() - t0
+            # every token that was fed through the models (the last one is only a target)
+            sequences = [(t.prompt_ids + t.response_ids)[:-1] for t in trajectories[:layers]]
+            engine_states = engine_layer_states(engine, sequences) if layers else None
         finally:
             engine.shutdown()
+        layer_report = layer_divergence(engine_states, megatron_layer_states(model, sequences)) if layers else None
+        del engine_states  # [layers, tokens, hidden] x 3 per sequence: not kept through the scoring below
         batch = build_rl_batch(trajectories, torch.zeros(len(trajectories)), pad_id(tokenizer))
         logprob_pass = dict(batching=Batching.for_logprobs(cfg.trainer), temperature=s.temperature,
                             pad_id=pad_id(tokenizer), fused=cfg.trainer.fused_linear_logprobs)
@@ -114,8 +130,18 @@ def measure(cfg: Config, model_dir: str, *, prompts: int, n: Optional[int], max_
         "tokens_per_s": int(keep.sum()) / max(seconds, 1e-9),
         **mismatch_report(train, rollout, positions, max_tokens),
         "calibration": calibration,
+        "layers": layer_report,
     }
     return report, train, rollout
+
+
+def engine_layer_states(rollout: DistributedRollout, sequences: list[list[int]]) -> list[dict]:
+    """The engine's per-layer hidden states of ``sequences``, captured inside it (vLLM only)."""
+    capture = getattr(rollout.engine, "layer_states", None)
+    if capture is None:
+        raise InputError(f"--layers: rollout.engine {rollout.cfg.engine} cannot show its layers' hidden states; "
+                         "use rollout.engine vllm")
+    return capture(sequences)
 
 
 def setting_name(cfg: Config) -> str:
@@ -166,6 +192,17 @@ def draw_figure(report: dict, train: torch.Tensor, rollout: torch.Tensor, path: 
     fig.savefig(path, dpi=120, bbox_inches="tight")
 
 
+def draw_layer_figure(report: dict, path: Path) -> None:
+    """Relative hidden-state divergence per layer (log y): the residual stream, attention and MLP."""
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.subplots()
+    draw_layers(ax, report["layers"])
+    ax.set_title(f"{describe(report)}: per-layer divergence ({report['layers']['sequences']} sequences, "
+                 f"{report['layers']['tokens']} tokens)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("config", help="run config (YAML); its model, rollout and data sections are used")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
@@ -180,6 +217,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-tokens", type=positive, metavar="N",
                         help="response length cap (default and upper bound: rollout.sampling.max_response_length)")
     parser.add_argument("--seed", type=int, metavar="S", help="engine and sampling seed (default: trainer.seed)")
+    parser.add_argument("--layers", type=positive, default=0, metavar="N",
+                        help="also compare the hidden states of every decoder layer, engine vs Megatron, on the "
+                             "first N samples (vLLM; on GPUs with rollout.enforce_eager=true): 'layers' in "
+                             "mismatch.json and layers.png (default: off)")
     parser.add_argument("--out", metavar="DIR",
                         help="output folder for mismatch.json, mismatch.png and engine.log "
                              "(default: <trainer.output_dir>/mismatch/train-<model.dtype>_<engine settings>)")
@@ -195,8 +236,10 @@ def run(args) -> int:
     out = Path(args.out) if args.out else Path(cfg.trainer.output_dir) / "mismatch" / setting_name(cfg)
     with library_log(out / "engine.log", "mismatch"):
         report, train, rollout = measure(cfg, model, prompts=args.prompts, n=args.n, max_tokens=args.max_tokens,
-                                         seed=seed)
+                                         seed=seed, layers=args.layers)
         draw_figure(report, train, rollout, out / "mismatch.png")
+        if report["layers"]:
+            draw_layer_figure(report, out / "layers.png")
     write_json(out / "mismatch.json", report)
     say(f"{describe(report)}: {report['prompts']} prompts x {report['sampling']['n']} samples, "
         f"{report['all']['tokens']} tokens ({report['tokens_per_s']:.0f} tokens/s)")
@@ -207,5 +250,13 @@ def run(args) -> int:
         say(f"perturbation.init_std: auto would set sigma = {cal['calibration/scale']:.3g} x layer-input RMS ({sigmas}): "
             f"KL(train || perturbed) {cal['calibration/perturbed_kl']:.3g} for a target of "
             f"{cal['calibration/target_kl']:.3g} (perturbation.calibration_target x the k3 KL above)")
-    say(f"written: {out / 'mismatch.json'}, {out / 'mismatch.png'}")
+    written = [out / "mismatch.json", out / "mismatch.png"]
+    if report["layers"]:
+        jump = report["layers"]["jump"]
+        say(f"hidden-state divergence ||h_engine - h_train|| / ||h_train|| per layer "
+            f"({report['layers']['tokens']} tokens of {report['layers']['sequences']} samples)"
+            + (f", largest growth at layer {jump['layer']}:" if jump["layer"] is not None else ":"))
+        say(format_layers(report["layers"]))
+        written.append(out / "layers.png")
+    say(f"written: {', '.join(map(str, written))}")
     return 0

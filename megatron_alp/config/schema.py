@@ -210,7 +210,9 @@ class PerturbationConfig(_Section):
         "each layer's sigma is set to one global scale times the RMS of that layer's input, the scale chosen "
         "so that KL(unperturbed || perturbed training policy) is `calibration_target` times the measured "
         "KL(engine || training policy) (both k3 estimates over the batch's response tokens); sigma is learned "
-        "from there.",
+        "from there. A target out of reach stops the run naming `calibration_target`; no measurable mismatch (KL 0 "
+        "or NaN) sets this key's default with a warning. Refused with `rollout.sampling.top_p` < 1 or `top_k` "
+        "(renormalised engine logprobs).",
     )
     calibrate_every: int = Field(
         0,
@@ -248,7 +250,8 @@ class PerturbationConfig(_Section):
         "`moe.routing_replay` r2/r3, else the old-policy pass's own) while the noise still flows through the "
         "gate weights of those experts and through the experts; the ratio then measures the continuous "
         "mismatch only, and routing mismatch is what the replay leaves (none on replayed tokens under r3). "
-        "null: `fixed` with a routing replay, `follow` without. `moe/noise_flip_frac` logs how often the noise "
+        "null: `fixed` with a routing replay, `follow` without; `follow` with `moe.routing_replay` r2/r3 is refused "
+        "(the update pass would drop the replayed experts). `moe/noise_flip_frac` logs how often the noise "
         "changes the router's own choice in either mode.",
     )
 
@@ -286,8 +289,9 @@ class LossConfig(_Section):
         json_schema_extra={"registry": "loss"},
     )
     clip_low: Optional[float] = Field(
-        None, gt=0.0, lt=1.0,
-        description="Lower clip: ratio >= 1 - clip_low. null: the loss's default (0.2 token level, 0.5 sequence level).",
+        None, gt=0.0, le=1.0,
+        description="Lower clip: ratio >= 1 - clip_low (1: no lower clip). null: the loss's default (0.2 token "
+        "level, 0.5 sequence level; `cispo` 1, MiniMax-M1's unbounded lower IS weight).",
     )
     clip_high: Optional[float] = Field(
         None, gt=0.0,
@@ -312,6 +316,14 @@ class LossConfig(_Section):
         "authors' code applies); off: only rho' > C is masked, as the paper's formula says.",
     )
     tis_threshold: float = Field(2.0, gt=0.0, description="C for Token-TIS: truncate the weight at C.")
+    icepop_low: float = Field(
+        0.5, gt=0.0, le=1.0,
+        description="alpha for `icepop`: a token whose k = pi_old / pi_rollout is below it is masked (Ring-1T: 0.5).",
+    )
+    icepop_high: float = Field(
+        5.0, ge=1.0,
+        description="beta for `icepop`: a token whose k = pi_old / pi_rollout is above it is masked (Ring-1T: 5).",
+    )
     log_ratio_clamp: float = Field(
         20.0, gt=0.0, description="Clamp |log ratio| before exp() for numerical safety."
     )
@@ -778,15 +790,26 @@ class TrainerConfig(_Section):
     )
     dynamic_sampling: bool = Field(
         False,
-        description="DAPO dynamic sampling: drop the GRPO groups whose n rewards are all equal (zero advantage, "
-        "no policy-gradient signal) and sample more prompts in extra rounds until the batch has "
-        "`prompts_per_iteration` groups whose rewards differ (the first ones, in sampling order). A round asks "
-        "for the missing groups / the keep rate so far x 1.25 (at most 4 x `prompts_per_iteration` prompts), "
-        "with per-sample seeds of (seed, iteration, round), so a resumed run replays it. After "
-        "`dynamic_sampling_max_rounds` rounds a short batch is completed with zero-variance groups (zero "
-        "advantage), never an error. Extra rounds draw from the data, so epochs end sooner. Logged: `dynamic_sampling/rounds`, `generated_groups`, `kept_frac` (groups whose rewards "
-        "differ / generated), `filled_groups` (zero-variance groups trained on) and `reward_mean` (all "
-        "generated responses; `reward/mean` is the trained batch's). Needs `rollout.sampling.n` >= 2.",
+        description="DAPO dynamic sampling: drop the GRPO groups that `dynamic_sampling_filter` rejects (by "
+        "default those whose n answers are all correct or all wrong) and sample more prompts in extra rounds "
+        "until the batch has `prompts_per_iteration` groups it keeps (the first ones, in sampling order). A "
+        "round asks for the missing groups / the keep rate so far x 1.25 (at most 4 x `prompts_per_iteration` "
+        "prompts), with per-sample seeds of (seed, iteration, round), so a resumed run replays it. After "
+        "`dynamic_sampling_max_rounds` rounds a short batch is completed with dropped groups, never an error. "
+        "Extra rounds draw from the data, so epochs end sooner. Logged: `dynamic_sampling/rounds`, "
+        "`generated_groups`, `kept_frac` (groups kept / generated), `filled_groups` (dropped groups trained "
+        "on) and `reward_mean` (all generated responses; `reward/mean` is the trained batch's). Needs "
+        "`rollout.sampling.n` >= 2.",
+    )
+    dynamic_sampling_filter: Literal["correct", "reward"] = Field(
+        "correct",
+        description="The groups `dynamic_sampling` keeps. `correct` (DAPO): 0 < #correct < n, where a response "
+        "is correct when the reward function gives it full credit (1.0) before the overlong punishment (for "
+        "`math_verify`: the verifier accepts its last boxed answer; a TIR episode is judged by its final "
+        "response); a group of correct answers whose rewards differ only through the punishment is dropped, "
+        "and a kept group whose punished rewards happen to be equal trains with zero advantage "
+        "(`batch/zero_variance_groups`). `reward`: the final rewards (punishment included) are not all equal, "
+        "i.e. exactly the groups with a non-zero advantage.",
     )
     dynamic_sampling_max_rounds: int = Field(
         4, ge=0, description="Extra generation rounds per iteration allowed to `dynamic_sampling`."
@@ -971,7 +994,7 @@ class Config(_Section):
             raise ValueError("rollout.partial_rollout with tir.enabled: a multi-turn episode is generated in several "
                              "calls whose spans are not tracked across turns; use partial_rollout: false")
         if t.dynamic_sampling and s.n < 2:
-            raise ValueError("trainer.dynamic_sampling keeps groups whose rewards differ and needs "
+            raise ValueError("trainer.dynamic_sampling compares the n answers of each group and needs "
                              f"rollout.sampling.n >= 2 (got {s.n})")
         if self.reward.overlong_buffer > s.max_response_length:
             raise ValueError(f"reward.overlong_buffer={self.reward.overlong_buffer} is longer than "

@@ -1,7 +1,8 @@
 """Rewards by registry name (config `reward.name`).
 
 A reward is a :class:`RewardFn`: called on a batch of final response texts and their ground
-truths, it returns one float per response, never raising for anything the model wrote. Add one
+truths, it returns one float per response, never raising for anything the model wrote; 1.0 (full
+credit) or more marks a correct answer (:mod:`megatron_alp.batches.scoring`). Add one
 with :func:`register_reward`; a factory receives the :class:`~megatron_alp.config.RewardConfig`.
 Rewards that run untrusted or possibly slow code (parsers, checkers) should score in a
 :class:`~megatron_alp.rewards.worker_pool.ScoringPool`, which bounds the time of every sample.

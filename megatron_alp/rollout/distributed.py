@@ -13,8 +13,14 @@ waiting.
   on (seed, prompt index, sample index), so the rollouts are the same for any number of replicas.
 - Failures: each engine retries and restarts itself (``rollout.max_retries``). A replica whose
   restart lost the synced weights asks for a resync: the trainer's weights are streamed again and
-  only that replica's prompts are re-sent; the other replicas' results are kept. Whatever still
-  fails is a RolloutError naming the replica, on every rank.
+  only that replica's prompts are re-sent; the other replicas' results are kept. A replica whose
+  engine fails (a RolloutError, a lost-weights restart) twice in a row, within a call or across
+  calls, is retired: one warning line, its engine shut down, its unfinished groups re-split over
+  the live replicas; later splits and weight syncs leave it out (its leader still takes part in
+  the collectives). Every rank takes these decisions from the same gathered outcomes, so all agree
+  on the live set. With per-sample seeds the rollouts do not change. Only when no replica is left
+  is it a RolloutError naming the last one, on every rank; any other exception (a bug in the work
+  of a share, not a fault of the engine) is raised as before, on every rank.
 - Asynchronous generation (``background=True``, for ``trainer.max_staleness`` >= 1): each leader
   drives its engine from a :class:`~megatron_alp.rollout.producer.RolloutProducer` thread.
   :meth:`submit` splits a batch and queues each share on its replica without waiting;
@@ -66,6 +72,7 @@ from megatron_alp.rollout.placement import Placement, ReplicaLayout, engine_plac
 from megatron_alp.rollout.producer import RolloutProducer
 from megatron_alp.rollout.weight_sync import WeightStream, default_verify_tolerance
 from megatron_alp.runtime.comm import cpu_group
+from megatron_alp.runtime.console import say
 from megatron_alp.runtime.platform import has_gpu
 
 # (model, probe trajectories) -> mismatch_stats of the engine's logprobs vs the model's, on every rank.
@@ -145,6 +152,8 @@ class DistributedRollout:
         self.engine_cores: Optional[tuple[int, ...]] = None
         self._models = None
         self._response_len: Optional[float] = None  # mean response length seen (balancing)
+        self.live = list(range(self.layout.replicas))  # replicas not retired, the same on every rank
+        self._failures = [0] * self.layout.replicas  # consecutive failures of each replica's engine
         self._stats = self._fresh_stats()
         error = None
         if self.replica is not None:
@@ -205,19 +214,41 @@ class DistributedRollout:
 
     @staticmethod
     def _outcome(call: Callable[[], Any]) -> tuple[tuple[str, Any], Optional[BaseException]]:
-        """``("ok", result)``, ``("resync", why)`` or ``("error", exception)``, and the exception."""
+        """``("ok", result)``, ``("resync", why)``, ``("failed", RolloutError)`` (the engine failed)
+        or ``("error", exception)`` (anything else), and the exception."""
         try:
             return ("ok", call()), None
         except EngineRestarted as err:
-            return ("resync", str(err)), None
+            return ("resync", str(err)), err
+        except RolloutError as err:
+            return ("failed", _picklable(err)), err
         except Exception as err:
             return ("error", _picklable(err)), err
+
+    def _failed(self, k: int, why: Any, own: Optional[BaseException]) -> bool:
+        """Count a failure of replica ``k`` (the same on every rank); at the second in a row retire it,
+        and with no replica left raise a RolloutError naming it. Whether it was retired."""
+        self._failures[k] += 1
+        if self._failures[k] < 2:
+            return False
+        detail = f"{type(why).__name__}: {why}" if isinstance(why, BaseException) else str(why)
+        self.live.remove(k)
+        if self.replica == k:
+            self._release()
+        leader = self.layout.leader(k)
+        if not self.live:
+            raise RolloutError(f"rollout replica {k} (rank {leader}) failed twice in a row and no other replica "
+                               f"is left: {detail}") from (own if self.replica == k else None)
+        if self.rank == 0:
+            say(f"rollout replica {k} (rank {leader}) failed twice in a row and is retired, "
+                f"{len(self.live)} of {self.replicas} left: {detail}")
+        return True
 
     def _on_replicas(self, work: Callable[[RolloutEngine], Any], which: set[int]
                      ) -> tuple[list[tuple[str, Any]], Optional[BaseException]]:
         """Run ``work(engine)`` on the replicas in ``which``. Returns every replica's ``(status,
-        payload)`` on every rank ("ok" and ``(version, result)``, "resync" and why, "error" and the
-        exception, "skip") and this rank's own exception, if it raised one."""
+        payload)`` on every rank ("ok" and ``(version, result)``, "resync" and why, "failed" or "error"
+        and the exception, "skip") and this rank's own exception, if it raised one."""
         outcome: tuple[str, Any] = ("skip", None)
         own = None
         if self.replica in which:
@@ -227,9 +258,17 @@ class DistributedRollout:
     # ---------------------------------------------------------------------------- rollouts
 
     def split(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-        """Prompt indices per replica: whole groups, balanced by expected tokens."""
+        """Prompt indices per replica (none for a retired one): whole groups, balanced by expected tokens."""
+        return self._spread(prompts, params, list(range(len(prompts))))
+
+    def _spread(self, prompts: list[list[int]], params: SamplingParams, indices: list[int]) -> list[list[int]]:
+        """``indices`` of ``prompts`` split over the live replicas, indexed by replica."""
         expected = self._response_len if self._response_len is not None else params.max_tokens
-        return partition([params.n * (len(p) + expected) for p in prompts], self.replicas)
+        bins = partition([params.n * (len(prompts[i]) + expected) for i in indices], len(self.live))
+        shares: list[list[int]] = [[] for _ in range(self.replicas)]
+        for k, part in zip(self.live, bins):
+            shares[k] = [indices[j] for j in part]
+        return shares
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """``params.n`` completions per prompt, identical on every rank."""
@@ -241,58 +280,78 @@ class DistributedRollout:
         a producer the share runs in :meth:`collect`. ``work`` defaults to the plain generate call."""
         batch = Batch(prompts, params, work or generate_work(params), self.split(prompts, params))
         if self.producer is not None and self.replica is not None and batch.shares[self.replica]:
-            batch.future = self.producer.submit(self._share_job(batch))
+            batch.future = self.producer.submit(self._share_job(batch, batch.shares[self.replica]))
         return batch
 
-    def _share_job(self, batch: Batch) -> Callable[[RolloutEngine], Any]:
-        mine = batch.shares[self.replica]
-
+    def _share_job(self, batch: Batch, mine: list[int]) -> Callable[[RolloutEngine], Any]:
         def job(engine):
             t0 = time.time()
             results = batch.work(engine, [batch.prompts[i] for i in mine], mine)
-            return results, time.time() - t0
+            return mine, results, time.time() - t0
 
         return job
 
     def collect(self, batch: Batch) -> Batch:
         """Every replica's results of ``batch`` on every rank, in prompt order (``batch.results``,
         ``batch.versions``). A replica whose engine restarted without the synced weights is resynced
-        and its share run again; whatever still fails raises on every rank."""
+        and its prompts run again; a replica failing twice in a row is retired and its prompts go to
+        the live ones (also the shares of replicas retired since :meth:`submit`)."""
         results: dict[int, Any] = {}
         versions: dict[int, int] = {}
-        todo = {k for k in range(self.replicas) if batch.shares[k]}
-        resyncs = 0
-        pending = batch.future
+        todo: dict[int, list[int]] = {}  # replica -> prompt indices still wanted from it
+
+        def reassign(indices: list[int]) -> None:
+            for k, share in enumerate(self._spread(batch.prompts, batch.params, indices)):
+                if share:
+                    todo[k] = sorted(todo.get(k, []) + share)
+
+        for k, share in enumerate(batch.shares):
+            if share and k in self.live:
+                todo[k] = list(share)
+        reassign([i for k, share in enumerate(batch.shares) if k not in self.live for i in share])
+        pending = batch.future if self.replica in todo else None  # the submitted share, generating already
         while todo:
             outcome: tuple[str, Any] = ("skip", None)
             own = None
             if self.replica in todo:
-                job = self._share_job(batch)
+                job = self._share_job(batch, todo[self.replica])
                 outcome, own = self._outcome(pending.result if pending is not None else lambda: self._run(job))
             pending = None
             outcomes = self._gather(outcome)
-            resync = []
+            self._check([payload if status == "error" else None for status, payload in outcomes],
+                        own if outcome[0] == "error" else None, "generation")
+            failed = []
             for k in sorted(todo):
                 status, payload = outcomes[k]
-                if status == "ok":
-                    version, (share, seconds) = payload
-                    results.update(zip(batch.shares[k], share))
-                    versions.update((i, version) for i in batch.shares[k])
-                    self._stats["tokens"][k] += sum(len(x.response_ids) for g in share for x in g)
-                    self._stats["seconds"][k] += seconds
-                    batch.seconds = max(batch.seconds, seconds)
-                    todo.discard(k)
+                if status != "ok":
+                    failed.append((k, status, payload))
+                    continue
+                version, (served, share, seconds) = payload
+                results.update(zip(served, share))
+                versions.update((i, version) for i in served)
+                self._stats["tokens"][k] += sum(len(x.response_ids) for g in share for x in g)
+                self._stats["seconds"][k] += seconds
+                batch.seconds = max(batch.seconds, seconds)
+                self._failures[k] = 0
+                served = set(served)
+                todo[k] = [i for i in todo[k] if i not in served]
+                if not todo[k]:
+                    del todo[k]
+            resync = set()
+            for k, status, payload in failed:
+                if self._failed(k, payload, own):
+                    reassign(todo.pop(k))
                 elif status == "resync":
-                    resync.append(k)
-            self._check([payload if status == "error" else None for status, payload in outcomes], own, "generation")
-            if resync and (self._models is None or resyncs >= self.cfg.max_retries):
-                k = resync[0]
-                raise RolloutError(f"rollout replica {k} (rank {self.layout.leader(k)}) lost its weights and "
-                                   f"could not be resynced: {outcomes[k][1]}")
+                    resync.add(k)
+            if resync and self._models is None:
+                k = min(resync)
+                raise RolloutError(f"rollout replica {k} (rank {self.layout.leader(k)}) lost its weights before "
+                                   f"any weight sync: {outcomes[k][1]}")
             if resync:
-                resyncs += 1
                 with self.phase("engine_restart_resync"):
                     self.sync_weights(self._models, self.version)
+                for k in [k for k in todo if k not in self.live]:  # retired by the resync
+                    reassign(todo.pop(k))
         batch.results = [results[i] for i in range(len(batch.prompts))]
         batch.versions = [versions[i] for i in range(len(batch.prompts))]
         lengths = [len(x.response_ids) for g in batch.results for x in g]
@@ -302,17 +361,18 @@ class DistributedRollout:
 
     def take_stats(self) -> dict:
         """``rollout/*`` statistics of the generate calls since the last call: replicas, tokens/s of
-        the slowest, mean and fastest replica, and the straggler ratio (slowest / mean time)."""
+        the slowest, mean and fastest replica, the straggler ratio (slowest / mean time over the
+        live replicas) and the live (not retired) replicas."""
         stats, self._stats = self._stats, self._fresh_stats()
         busy = [k for k in range(self.replicas) if stats["seconds"][k] > 0]
-        out = {"rollout/replicas": float(self.replicas)}
+        out = {"rollout/replicas": float(self.replicas), "rollout/replicas_live": float(len(self.live))}
         if busy:
             rates = [stats["tokens"][k] / stats["seconds"][k] for k in busy]
             out.update({
                 "rollout/replica_tokens_per_s_min": min(rates),
                 "rollout/replica_tokens_per_s_mean": sum(rates) / len(rates),
                 "rollout/replica_tokens_per_s_max": max(rates),
-                "rollout/straggler_ratio": imbalance([stats["seconds"][k] for k in range(self.replicas)]),
+                "rollout/straggler_ratio": imbalance([stats["seconds"][k] for k in self.live or busy]),
             })
         return out
 
@@ -320,58 +380,91 @@ class DistributedRollout:
         return {"tokens": [0] * self.replicas, "seconds": [0.0] * self.replicas}
 
     def sync_weights(self, models, version: Optional[int] = None) -> dict:
-        """Stream the trainer's weights into every replica, which then hold ``version`` (default:
+        """Stream the trainer's weights into every live replica, which then hold ``version`` (default:
         the current one: a resync); returns ``sync/*`` statistics. A leader whose producer is busy
         waits for it first (``sync/wait_s``): a sequence is never generated by two weight versions,
-        except that a partial-rollout job pauses between decoding steps instead of finishing."""
+        except that a partial-rollout job pauses between decoding steps instead of finishing. A
+        replica whose engine fails the update or the verification probe is synced again, or retired
+        at its second failure in a row (a stream taken is no success: only a generation resets the count)."""
         version = self.version if version is None else version
         model = _single(models)
         t0 = time.time()
+        which = list(self.live)
+        received = None  # what each engine of the first stream received, the same on every rank
+        verified: dict = {}
+        while which:
+            waited, outcomes, own = self._stream(model, version, which)
+            failures = [failure for failure, _, _ in outcomes]
+            self._check([f if not isinstance(f, RolloutError) else None for f in failures],
+                        None if isinstance(own, RolloutError) else own, "weight sync")
+            received = received or max((nbytes, tensors) for _, nbytes, tensors in outcomes)
+            synced = [k for k in which if failures[k] is None]
+            retry = [k for k in which if failures[k] is not None and not self._failed(k, failures[k], own)]
+            if self.cfg.verify_sync and synced:
+                with self.phase("sync_verification"):
+                    probed = self.verify(model, synced)
+                if probed and (not verified or probed["sync/verify_mean_abs_diff"] >
+                               verified["sync/verify_mean_abs_diff"]):
+                    verified = probed
+                retry += [k for k in synced if k in self.live and self._failures[k]]  # its probe failed
+            which = sorted(retry)
+        self._models = models
+        self.version = version
+        seconds = time.time() - t0 - waited
+        nbytes, tensors = received
+        return {"sync/seconds": seconds, "sync/wait_s": waited, "sync/bytes": float(nbytes),
+                "sync/tensors": float(tensors), "sync/gbps": nbytes / max(seconds, 1e-9) / 1e9, **verified}
+
+    def _stream(self, model, version: int, which: list[int]) -> tuple[float, list, Optional[BaseException]]:
+        """One weight stream into the engines of the replicas in ``which`` (every rank takes part):
+        the seconds waited for the producers, each replica's ``(error, bytes, tensors)``, and this
+        rank's own error."""
+        t0 = time.time()
         error = None
-        with self.producer.updating(version) if self.producer is not None else contextlib.nullcontext():
+        feeds = self.replica in which and self.engine is not None
+        with self.producer.updating(version) if feeds and self.producer is not None else contextlib.nullcontext():
             # every rank waits here, on the CPU group that tolerates long waits, until each leader's
             # engine is free: the weight gather below runs on the trainer's groups, whose timeouts would not
             self._gather(None)
             waited = time.time() - t0
             # only the leaders feed an engine: the other ranks help gather and receive no full tensor
-            leaders = [self.layout.leader(k) for k in range(self.replicas)]
+            leaders = [self.layout.leader(k) for k in which]
             stream = WeightStream(iter_hf_weights(model, self.cfg.sync_bucket_mb << 20, receivers=leaders))
-            if self.engine is not None:
+            if feeds:
                 try:
                     self.engine.update_weights(stream)
                 except Exception as err:
                     error = err
             stream.drain()  # every rank reaches the end of the collective, even after an engine error
-        outcomes = self._gather((_picklable(error), stream.bytes, stream.tensors))
-        self._check([failure for failure, _, _ in outcomes], error, "weight sync")
-        self._models = models
-        self.version = version
-        seconds = time.time() - t0 - waited
-        _, nbytes, tensors = outcomes[0]  # what each engine received, the same on every rank
-        stats = {"sync/seconds": seconds, "sync/wait_s": waited, "sync/bytes": float(nbytes),
-                 "sync/tensors": float(tensors), "sync/gbps": nbytes / max(seconds, 1e-9) / 1e9}
-        if self.cfg.verify_sync:
-            with self.phase("sync_verification"):
-                stats.update(self.verify(model))
-        return stats
+        return waited, self._gather((_picklable(error), stream.bytes, stream.tensors)), error
 
-    def verify(self, model) -> dict:
-        """Every replica samples a short probe; the Megatron model scores each (``scorer``): every
-        engine must report the trainer's logprobs (within ``rollout.verify_tolerance``)."""
+    def verify(self, model, which: Optional[list[int]] = None) -> dict:
+        """Every live replica (or those in ``which``) samples a short probe; the Megatron model scores
+        each (``scorer``): every engine must report the trainer's logprobs (within
+        ``rollout.verify_tolerance``). A probe the engine fails counts as a failure of its replica
+        (retired at the second in a row) and is left out of the statistics (empty when none ran)."""
         if self.scorer is None:
             raise RolloutError("rollout.verify_sync needs the trainer's scorer: DistributedRollout(..., scorer=...)")
         vocab = self._vocab_size()
         prompts = [[3 + (7 * i + 13 * k) % (vocab - 3) for k in range(8)] for i in range(4)]
         params = SamplingParams(n=2, temperature=1.0, max_tokens=16)
-        outcomes, own = self._on_replicas(lambda engine: engine.generate(prompts, params), set(range(self.replicas)))
-        self._check([payload if status != "ok" else None for status, payload in outcomes], own,
-                    "the weight-sync probe")
-        outcomes = [(status, payload[1]) for status, payload in outcomes]
+        which = list(self.live) if which is None else which
+        outcomes, own = self._on_replicas(lambda engine: engine.generate(prompts, params), set(which))
+        self._check([payload if status == "error" else None for status, payload in outcomes],
+                    None if isinstance(own, RolloutError) else own, "the weight-sync probe")
+        probed = []
+        for k in which:
+            if outcomes[k][0] == "ok":
+                self._failures[k] = 0
+                probed.append(k)
+            else:
+                self._failed(k, outcomes[k][1], own)
         trainer_dtype = next(model.parameters()).dtype
         tol = self.cfg.verify_tolerance or default_verify_tolerance(
             self.cfg.dtype, self.cfg.quantization, self.cfg.kv_cache_dtype, trainer_dtype)
         worst = None
-        for k, (_, groups) in enumerate(outcomes):
+        for k in probed:
+            groups = outcomes[k][1][1]
             stats = self.scorer(model, [Trajectory.from_completion(c) for g in groups for c in g])
             if not stats["mean"] <= tol:
                 raise RolloutError(
@@ -381,6 +474,8 @@ class DistributedRollout:
                 )
             if worst is None or stats["mean"] > worst["mean"]:
                 worst = stats
+        if worst is None:
+            return {}
         return {"sync/verify_mean_abs_diff": worst["mean"], "sync/verify_max_abs_diff": worst["max"]}
 
     def _vocab_size(self) -> int:
@@ -417,6 +512,10 @@ class DistributedRollout:
         self.set_memory("awake")
 
     def shutdown(self) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        """Shut this leader's engine and producer down (at the end, or when its replica is retired)."""
         if self.producer is not None:
             self.producer.close()
         if self.engine is not None:

@@ -1,14 +1,18 @@
-"""Process hygiene: children that die with their parent."""
+"""Process hygiene: children that die with their parent, and the shared memory they leave."""
 
 from __future__ import annotations
 
 import ctypes
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 _forking_parent = None
+_janitored: set[int] = set()  # pids that have a shared-memory janitor
 
 
 def forks_die_with_their_parent() -> None:
@@ -49,6 +53,20 @@ def end_with_parent(origin: int, grace_s: float = 5.0, poll_s: float = 0.5) -> N
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="megatron-alp-end-with-parent", daemon=True).start()
+
+
+def clean_shared_memory_after(pid: int) -> None:
+    """Start a janitor (:mod:`megatron_alp.runtime.shm_janitor`) that unlinks the /dev/shm segments
+    process ``pid`` maps once it has ended and nobody else maps them. It runs in its own session
+    with an empty environment, so the kill of a job's process group or of every process carrying
+    the job's variables spares it; it ends seconds after ``pid``."""
+    if pid in _janitored:
+        return
+    _janitored.add(pid)
+    janitor = Path(__file__).with_name("shm_janitor.py")
+    subprocess.Popen([sys.executable, "-S", str(janitor), str(pid)], env={}, start_new_session=True,
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                     close_fds=True)
 
 
 def alive(pid: int) -> bool:

@@ -6,7 +6,9 @@ entry (``RUN/heartbeat/rank_<r>.json``: phase, iteration, time); a watchdog thre
 its own phase. Past the deadline it writes ``RUN/hang/rank_<r>.json`` (its phase and iteration, and
 for every other rank where its heartbeat stands, so the rank that did not arrive is named), the
 stacks of all its threads next to it, prints one line, and exits with
-:data:`~megatron_alp.runtime.preemption.EXIT_HANG`, which the launch scripts requeue. Checkpoints
+:data:`~megatron_alp.runtime.preemption.EXIT_HANG`, which the launch scripts requeue. The exit
+waits two polls and a second after the report: a peer waiting on this rank in a collective would
+otherwise see the connection break before its own deadline and end without its report. Checkpoints
 are written atomically, so a hang during a save leaves nothing that looks complete.
 """
 
@@ -45,12 +47,16 @@ class HangWatch:
         self.stopped = True
 
     def _watch(self) -> None:
+        poll = min(5.0, self.deadline_s / 10)
         while time.monotonic() - self.since <= self.deadline_s or self.stopped:
             if self.stopped:
                 return
-            time.sleep(min(5.0, self.deadline_s / 10))
+            time.sleep(poll)
         self._report()
         record_exit(EXIT_HANG)
+        # the peers waiting on this rank have reached their deadline within a poll or two of it: give
+        # them that long to write their reports before this exit breaks their collectives
+        time.sleep(2 * poll + 1.0)
         os._exit(EXIT_HANG)
 
     def _report(self) -> None:

@@ -51,6 +51,12 @@ def staleness_metrics(trajectories, iteration: int, partial_rollout: bool) -> di
     return out
 
 
+def data_metrics(resume_state: dict) -> dict:
+    """``data/epoch``: the epochs of prompts trained on (where a resume restarts the sampler), in
+    fractions of an epoch."""
+    return {"data/epoch": resume_state["epoch"] + resume_state["position"] / resume_state["num_prompts"]}
+
+
 def batch_metrics(cfg: Config, groups: Groups, truncated: torch.Tensor) -> dict:
     """Rewards, response lengths and truncation of the trained batch; tool use in TIR runs."""
     rewards, trajectories = groups.rewards, groups.trajectories

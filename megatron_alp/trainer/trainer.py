@@ -52,6 +52,7 @@ from megatron_alp.trainer.inputs import check_run_inputs
 from megatron_alp.trainer.memory_plan import check_fits
 from megatron_alp.trainer.metrics import (
     batch_metrics,
+    data_metrics,
     dump_token_probs,
     mean_dicts,
     run_summary,
@@ -69,7 +70,14 @@ from megatron_alp.trainer.run_dir import (
     write_config,
 )
 from megatron_alp.training.calibration import calibrate_sigma, calibration_due, calibration_line
-from megatron_alp.training.dist_checkpoint import intact_checkpoint, load_checkpoint, save_checkpoint
+from megatron_alp.training.dist_checkpoint import (
+    current_layout,
+    intact_checkpoint,
+    load_checkpoint,
+    read_metadata,
+    relayout_line,
+    save_checkpoint,
+)
 from megatron_alp.training.micro_batch import Batching
 from megatron_alp.training.offload import TrainingStateOffloader, offloader_for
 from megatron_alp.training.optim import learning_rates
@@ -192,6 +200,10 @@ class RLTrainer:
         if ckpt is None:
             return False
         extra = load_checkpoint(ckpt, self.policy_module, optimizer=self.optimizer, opt_param_scheduler=self.scheduler)
+        line = relayout_line(ckpt, read_metadata(ckpt).get("layout", {}), current_layout(self.optimizer),
+                             perturbed=self.cfg.perturbation.enabled)
+        if line and self.rank == 0:
+            say(line)
         self.iteration, self.step = int(extra["iteration"]), int(extra["step"])
         if int(extra.get("policy_version", self.iteration)) != self.iteration:
             raise InputError(f"checkpoint {ckpt}: policy version {extra['policy_version']} does not match its "
@@ -286,6 +298,7 @@ class RLTrainer:
 
         out = from_last_stage({"step": self.step, **mean_dicts(loss_metrics)})
         out.update(batch_metrics(cfg, groups, truncated))
+        out.update(data_metrics(self.batches.resume_state()))
         out.update(update_metrics(step_stats))
         out.update(learning_rates(self.optimizer))
         out.update(gather_sigma_stats(self.policy_module))

@@ -8,11 +8,24 @@ show up as KL divergences on the first batch of rollouts, so sigma is chosen to 
 
 1. the mismatch: the k3 estimate of KL(pi_rollout || pi_train) over the batch's response tokens,
    from the engine's logprobs and the old-policy pass (the trainer's ``mismatch/kl_k3``);
-2. each perturbed layer's scale: the RMS of its input hidden states over the batch (so the noise
-   has the same size relative to the activations it is added to in every layer, as zeta would);
+2. each perturbed layer's scale: the RMS of its input hidden states over the batch's tokens
+   (padding excluded), so the noise has the same size relative to the activations it is added to
+   in every layer, as zeta would. The RMS is the median over hidden dimensions of each dimension's
+   RMS: real checkpoints (Qwen) carry a few "massive activation" dimensions thousands of times
+   larger than the rest, which would set the overall RMS alone and the noise far above the size
+   of every other dimension;
 3. a global scale s, searched (secant steps on log KL against log s, where KL grows like s^2 for
-   small s) until the k3 estimate of KL(pi_train || pi_train,sigma) over the same tokens, with
-   ``sigma_h = s * RMS_h``, is ``calibration_target`` times the mismatch, within 2%.
+   small s, s at most ``MAX_SCALE``) until the k3 estimate of KL(pi_train || pi_train,sigma) over
+   the same tokens, with ``sigma_h = s * RMS_h``, is ``calibration_target`` times the mismatch,
+   within 2%.
+
+It never ends silently on a bad sigma. A target no scale up to ``MAX_SCALE`` meets within
+``ACCEPTED`` (the perturbed KL saturates once the noise swamps the activations) stops the run with
+an :class:`~megatron_alp.config.InputError` naming ``perturbation.calibration_target``. A measured
+mismatch that is 0 (an engine bit-identical to the trainer) or not finite gives no size to match:
+sigma is then ``perturbation.init_std``'s default with a warning (``calibration/fallback`` 1 and
+the terminal line), never 0, whose log-sigma would be -inf with a zero gradient forever, turning
+ALP silently into Bypass.
 
 Both KLs are estimated on the same tokens (samples of the engine) with the same estimator,
 mean(r - 1 - log r), so they compare like with like. The search's noise comes from noise-stream
@@ -38,18 +51,22 @@ from typing import Optional
 import torch
 from megatron.core import parallel_state as ps
 
-from megatron_alp.config import PerturbationConfig
+from megatron_alp.config import InputError, PerturbationConfig
+from megatron_alp.models.routing import to_router
 from megatron_alp.runtime.comm import comm_device
-from megatron_alp.training.micro_batch import Batching
+from megatron_alp.training.micro_batch import Batching, MicroBatch
 from megatron_alp.training.perturbation import controller_of, perturbation_sites, set_sigmas
 from megatron_alp.training.policy_update import compute_logprobs, from_last_stage, model_chunks
 from megatron_alp.training.rl_batch import RLBatch
 from megatron_alp.training.routing_replay import PassRouting
 
 TOLERANCE = 0.02  # stop when the perturbed KL is within 2% of the target
+ACCEPTED = 0.25  # the best candidate must be within 25% of the target, else the target is out of reach
 MAX_EVALUATIONS = 12
 FIRST_SCALE = 1e-2  # noise at 1% of each layer's input RMS
+MAX_SCALE = 1.0  # noise as large as the activations it is added to: beyond, the policy is noise
 NOISE_DRAWS = 4  # the perturbed KL of a candidate scale is the mean over this many noise draws
+FALLBACK_STD = PerturbationConfig.model_fields["init_std"].default  # sigma when there is nothing to match
 
 
 def calibration_due(cfg: PerturbationConfig, iteration: int) -> bool:
@@ -90,32 +107,54 @@ def k3_kl(logprobs: Optional[torch.Tensor], reference: Optional[torch.Tensor], m
     return from_last_stage(value)
 
 
+def real_positions(mb: MicroBatch, sequence_parallel: bool) -> torch.Tensor:
+    """``[tokens * rows]`` bool in the order of a layer's flattened input ``[tokens, rows, h]`` (this
+    rank's sequence shard): True on the sequences' own tokens, False on padding and on a filler."""
+    b = mb.batch
+    inside = torch.arange(b.tokens.shape[1], device=b.tokens.device) < b.lengths.to(b.tokens.device).unsqueeze(1)
+    return to_router(mb.layout(inside & (not mb.filler), fill=False), sequence_parallel)
+
+
+def robust_rms(sums: torch.Tensor) -> list[float]:
+    """Per site, from ``[sites, h + 1]`` rows of per-dimension sums of squares and the token count:
+    the median over dimensions of each dimension's RMS (a few massive dimensions move it by a few
+    ranks of the median, not by their size)."""
+    per_dimension = sums[:, :-1] / sums[:, -1:].clamp(min=1)
+    return per_dimension.median(dim=1).values.sqrt().tolist()
+
+
 def layer_input_rms(model, batch: RLBatch, passes: dict) -> list[float]:
-    """RMS of the input of every perturbed site of this rank (in
+    """Robust RMS of the input of every perturbed site of this rank (in
     :func:`~megatron_alp.training.perturbation.perturbation_sites` order) over one unperturbed forward of
-    ``batch`` (padding positions included). The squares are summed on the activations' device,
-    without an upcast copy or a host sync per layer."""
+    ``batch``: the median over hidden dimensions of each dimension's RMS over the real tokens
+    (padding and filler micro-batches excluded; see the module docstring). Squares are summed per
+    dimension on the activations' device, without an upcast copy or a host sync per layer."""
     hosts = _hosts(model)
     squares: list = [0.0] * len(hosts)
-    counts = [0] * len(hosts)
+    counts: list = [0.0] * len(hosts)
+    sequence_parallel = any(c.sequence_parallel for m in model_chunks(model) if (c := controller_of(m)) is not None)
+    real: dict = {}  # the current micro-batch's real positions
+
+    def begin(mb: MicroBatch) -> None:
+        real["keep"] = real_positions(mb, sequence_parallel)
 
     def hook(index):
         def record(module, args, kwargs):
             hidden = (kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).detach()
-            squares[index] = squares[index] + torch.linalg.vector_norm(hidden, dtype=torch.float32) ** 2
-            counts[index] += hidden.numel()
+            tokens = hidden.reshape(-1, hidden.shape[-1])[real["keep"].to(hidden.device)]
+            squares[index] = squares[index] + torch.linalg.vector_norm(tokens, dim=0, dtype=torch.float32) ** 2
+            counts[index] += tokens.shape[0]
         return record
 
     handles = [h.register_forward_pre_hook(hook(i), with_kwargs=True) for i, h in enumerate(hosts)]
     try:
-        compute_logprobs(model, batch, **passes)
+        compute_logprobs(model, batch, on_micro_batch=begin, **passes)
     finally:
         for h in handles:
             h.remove()
-    sequence_parallel = any(c.sequence_parallel for m in model_chunks(model) if (c := controller_of(m)) is not None)
-    sums = torch.tensor([[float(q), float(n)] for q, n in zip(squares, counts)], dtype=torch.float64)
-    sums = _all_reduce(sums, tensor_shards=sequence_parallel)
-    rms = (sums[:, 0] / sums[:, 1].clamp(min=1)).sqrt().tolist()
+    sums = torch.stack([torch.cat([torch.as_tensor(q, dtype=torch.float64).cpu().reshape(-1),
+                                   torch.tensor([float(n)], dtype=torch.float64)]) for q, n in zip(squares, counts)])
+    rms = robust_rms(_all_reduce(sums, tensor_shards=sequence_parallel))
     by_host = {id(h.alp_perturbation): r for h, r in zip(hosts, rms)}
     return [by_host[id(s)] for s in perturbation_sites(model_chunks(model))]
 
@@ -138,40 +177,58 @@ def _next_scale(history: list[tuple[float, float]], target: float) -> float:
     return s * min(max(factor, 1e-3), 1e3)
 
 
+def _sigmas(scale: float, rms: list[float]) -> list[float]:
+    """``scale * RMS_h`` per site; a site whose input is all zeros gets the fallback, never sigma 0."""
+    return [scale * r if scale * r > 0 else FALLBACK_STD for r in rms]
+
+
 def calibrate_sigma(model, batch: RLBatch, cfg: PerturbationConfig, *, iteration: int, batching: Batching,
                     temperature: float, pad_id: int, fused: bool, replay: Optional[str] = None) -> dict[str, float]:
     """Set every site's sigma from ``batch`` (with ``old_logprobs``): see the module docstring.
     ``replay``: the routing field the update pass replays on an MoE model. Returns the
-    ``calibration/*`` metrics; the sigmas of the chosen scale are set on return."""
+    ``calibration/*`` metrics; the sigmas of the chosen scale are set on return. Raises
+    :class:`~megatron_alp.config.InputError` when ``calibration_target`` is out of reach."""
     passes = dict(batching=batching, temperature=temperature, pad_id=pad_id, fused=fused,
                   routing=PassRouting(replay=replay) if replay else None)
     measured = k3_kl(batch.rollout_logprobs, batch.old_logprobs, batch.loss_mask)
-    target = cfg.calibration_target * measured
     rms = layer_input_rms(model, batch, passes)
-    if not target > 0:  # engine and trainer agree to the last bit: nothing to cover
-        set_sigmas(model, [0.0] * len(rms))
+    if not (math.isfinite(measured) and measured > 0):  # nothing to match: never sigma 0 (log-sigma -inf)
+        set_sigmas(model, [FALLBACK_STD] * len(rms))
         return {"calibration/train_engine_kl": measured, "calibration/target_kl": 0.0,
-                "calibration/perturbed_kl": 0.0, "calibration/scale": 0.0, "calibration/evaluations": 0.0}
+                "calibration/perturbed_kl": 0.0, "calibration/scale": 0.0, "calibration/evaluations": 0.0,
+                "calibration/fallback": 1.0}
+    target = cfg.calibration_target * measured
     history: list[tuple[float, float]] = []
     scale = FIRST_SCALE
     for _ in range(MAX_EVALUATIONS):
-        set_sigmas(model, [scale * r for r in rms])
+        set_sigmas(model, _sigmas(scale, rms))
         draws = [compute_logprobs(model, batch, perturb_step=-(iteration * NOISE_DRAWS + j + 1), **passes)
                  for j in range(NOISE_DRAWS)]
         history.append((scale, sum(k3_kl(batch.old_logprobs, d, batch.loss_mask) for d in draws) / NOISE_DRAWS))
-        if abs(history[-1][1] / target - 1) <= TOLERANCE:
+        kl = history[-1][1]
+        if abs(kl / target - 1) <= TOLERANCE or (scale >= MAX_SCALE and math.isfinite(kl) and kl < target):
             break
-        scale = _next_scale(history, target)
+        scale = min(_next_scale(history, target), MAX_SCALE)
     scale, kl = min(history, key=lambda h: abs(math.log(h[1] / target)) if 0 < h[1] < math.inf else math.inf)
-    set_sigmas(model, [scale * r for r in rms])
+    if not (0 < kl < math.inf and abs(kl / target - 1) <= ACCEPTED):
+        raise InputError(
+            f"perturbation.calibration_target: {cfg.calibration_target:g} x the engine-train KL {measured:.3g} is out "
+            f"of reach: the closest of {len(history)} noise scales (at most {MAX_SCALE:g} x layer-input RMS) gives "
+            f"KL {kl:.3g} for {target:.3g}; lower perturbation.calibration_target or set perturbation.init_std to a number")
+    set_sigmas(model, _sigmas(scale, rms))
     return {"calibration/train_engine_kl": measured, "calibration/target_kl": target,
-            "calibration/perturbed_kl": kl, "calibration/scale": scale, "calibration/evaluations": float(len(history))}
+            "calibration/perturbed_kl": kl, "calibration/scale": scale, "calibration/evaluations": float(len(history)),
+            "calibration/fallback": 0.0}
 
 
 def calibration_line(cal: dict, sigmas: dict, target: float, iteration: int) -> str:
     """What a calibration chose, for the run's terminal: ``cal`` is :func:`calibrate_sigma`'s result
     and ``sigmas`` the model's :func:`~megatron_alp.training.perturbation.gather_sigma_stats`."""
     layers = [v for k, v in sigmas.items() if k.endswith("/mean") and k != "sigma/mean"]
+    if cal.get("calibration/fallback"):
+        return (f"WARNING: sigma not calibrated at iteration {iteration}: the engine-train KL is "
+                f"{cal['calibration/train_engine_kl']:.3g}, no mismatch to match; every sigma set to "
+                f"perturbation.init_std's default {FALLBACK_STD:g}")
     return (f"sigma calibrated at iteration {iteration}: {cal['calibration/scale']:.3g} x layer-input RMS = "
             f"{min(layers):.3g}..{max(layers):.3g}; KL(train || perturbed) {cal['calibration/perturbed_kl']:.3g} "
             f"for a target of {cal['calibration/target_kl']:.3g} ({target:g} x the engine-train KL "

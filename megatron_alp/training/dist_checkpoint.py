@@ -1,7 +1,8 @@
 """Megatron distributed checkpoints (``torch_dist``), written atomically.
 
-A checkpoint directory holds Megatron's ``dist_checkpointing`` files (layout-independent: it loads
-under any TP/PP/EP layout), ``extra.pt`` (trainer state such as the data position), ``hf/`` with
+A checkpoint directory holds Megatron's ``dist_checkpointing`` files (layout-independent: model
+and optimizer state load under any DP/TP/PP/EP layout, the optimizer in the format it was saved
+with), ``extra.pt`` (trainer state such as the data position), ``hf/`` with
 the tokenizer and generation files of the HF model it came from, and ``megatron_alp.json``: the
 format, the layout it was written with, the HF config (its only copy) and the ALP perturbation
 settings, so the export to HF needs nothing but the checkpoint. Every file is written into
@@ -20,7 +21,10 @@ under any pipeline split.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import functools
+import inspect
 import json
 import logging
 import os
@@ -33,8 +37,11 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.utils import unwrap_model
 
+from megatron_alp.config import InputError
 from megatron_alp.models.families import load_hf_config
 from megatron_alp.models.hf_weights import check_model_matches, copy_hf_side_files, global_name, make_tmp_dir
 from megatron_alp.models.weight_mapping import is_sigma
@@ -111,6 +118,48 @@ def _prepare_optimizer_for_load(optimizer) -> None:
                 state.setdefault("step", torch.tensor(0.0))
 
 
+@contextlib.contextmanager
+def _reshardable_state_fix(optimizer):
+    """Megatron-Core 0.16's distributed optimizer saves wrong state in the layout-independent
+    format once a gradient buffer has more than one bucket (a long model, or the tied embedding on
+    the last pipeline stage): it packs each bucket's state without the padding between buckets,
+    then slices it with offsets that count that padding, so every parameter after the first bucket
+    is saved shifted, its tail zero-filled ("param range exceeds unpadded buffer", Megatron-LM
+    #5077). While the optimizer builds its state dict, its packed state is put back at the
+    buffer's own offsets. Installed Megatron versions with the fix are left alone."""
+    subs = [sub for sub in getattr(optimizer, "chained_optimizers", [optimizer])
+            if isinstance(sub, DistributedOptimizer)]
+    if not subs or "missing_elems_num" not in inspect.getsource(DistributedOptimizer.sharded_param_state_fully_reshardable):
+        yield
+        return
+    for sub in subs:
+        sub.get_parameter_state_dp_zero = functools.partial(_state_at_buffer_offsets, sub)
+    try:
+        yield
+    finally:
+        for sub in subs:
+            del sub.get_parameter_state_dp_zero
+
+
+def _state_at_buffer_offsets(sub, **kwargs) -> Optional[dict]:
+    """``sub``'s packed DP-rank-0 state with each bucket's values at the bucket's buffer offset."""
+    state = type(sub).get_parameter_state_dp_zero(sub, **kwargs)
+    if state is None:
+        return None
+    for gbuf_idx, by_dtype in state.items():
+        if not isinstance(gbuf_idx, int):
+            continue
+        buffer = sub.buffers[gbuf_idx]
+        for world in by_dtype.values():
+            for key in ("param", "exp_avg", "exp_avg_sq") if world else ():
+                packed, spread, at = world[key], torch.zeros(buffer.numel, dtype=world[key].dtype), 0
+                for bucket in buffer.buckets:
+                    spread[bucket.offset:bucket.offset + bucket.numel_unpadded] = packed[at:at + bucket.numel_unpadded]
+                    at += bucket.numel_unpadded
+                world[key] = spread
+    return state
+
+
 def _unshare_optimizer_steps(optimizer) -> None:
     """Give every parameter its own ``step`` tensor after a load (see above)."""
     for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
@@ -157,15 +206,73 @@ def commit_dir(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _layout(model) -> dict:
-    from megatron.core import parallel_state as ps
-
-    return {
+def current_layout(optimizer=None) -> dict:
+    """This job's parallel layout, as the checkpoint metadata records it (``optimizer``: which
+    optimizer state format the job uses, ``distributed`` or ``plain``, and how many optimizers it chains)."""
+    layout = {
         "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
         "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
         "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
+        "data_parallel_size": ps.get_data_parallel_world_size(),
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,
     }
+    if optimizer is not None:
+        layout["optimizer"] = _optimizer_format(optimizer)
+        layout["optimizers"] = len(getattr(optimizer, "chained_optimizers", [optimizer]))
+    return layout
+
+
+def _optimizer_format(optimizer) -> str:
+    subs = getattr(optimizer, "chained_optimizers", [optimizer])
+    return "distributed" if any(isinstance(sub, DistributedOptimizer) for sub in subs) else "plain"
+
+
+def _check_optimizer_format(ckpt: Path, saved: dict, optimizer) -> None:
+    """Refuse optimizer state that cannot load into this job's optimizer: Megatron's two formats do
+    not load into each other (the distributed optimizer's keeps fp32 main parameters), and an MoE
+    model's experts share the dense optimizer at EP=1 but get their own at EP>1, which changes the
+    state's structure."""
+    was, now = saved.get("optimizer"), _optimizer_format(optimizer)
+    if was is not None and was != now:
+        raise InputError(
+            f"{ckpt}: its optimizer state was saved by the {was} optimizer and this job builds the {now} one; "
+            f"set parallel.use_distributed_optimizer={str(was == 'distributed').lower()} to resume it")
+    chain = len(getattr(optimizer, "chained_optimizers", [optimizer]))
+    if saved.get("optimizers", chain) != chain:
+        ep = saved.get("expert_model_parallel_size")
+        raise InputError(
+            f"{ckpt}: saved at parallel.expert_model_parallel_size={ep}, where the experts' optimizer state is "
+            f"{'part of the dense optimizer' if ep == 1 else 'an optimizer of its own'}; this job's "
+            f"expert_model_parallel_size={ps.get_expert_model_parallel_world_size()} cannot hold it: resume with "
+            f"{'parallel.expert_model_parallel_size=1' if ep == 1 else 'parallel.expert_model_parallel_size > 1'}")
+
+
+# Each layout size a resume may change: its short name and what its change makes inexact, if
+# anything (see :func:`relayout_line`).
+_RELAYOUT = {
+    "data_parallel_size": ("DP", "mini-batches split over another number of ranks (float sums in another order)"),
+    "tensor_model_parallel_size": ("TP", "weights split over another number of ranks (float sums in another order)"),
+    "pipeline_model_parallel_size": ("PP", None),
+    "expert_model_parallel_size": ("EP", "expert gradients reduced over another number of ranks (float sums in "
+                                         "another order)"),
+}
+
+
+def relayout_line(ckpt: Path, saved: dict, now: dict, perturbed: bool) -> Optional[str]:
+    """One line for a resume at another layout than the checkpoint's: what carries over exactly and
+    what cannot (None when the layout is the same). ALP noise is drawn per (data-parallel rank,
+    pipeline rank[, TP rank under sequence parallelism]) stream, so a new layout draws other noise
+    from here on: same distribution, other samples."""
+    changed = [k for k in _RELAYOUT if k in saved and saved[k] != now[k]]
+    if not changed:
+        return None
+    sizes = ", ".join(f"{_RELAYOUT[k][0]} {saved[k]} -> {now[k]}" for k in changed)
+    inexact = [note for k in changed if (note := _RELAYOUT[k][1])]
+    if perturbed:
+        inexact.append("ALP noise from other per-rank streams (same sigmas and distribution, other samples)")
+    rest = f"not exactly: {'; '.join(inexact)}" if inexact else "nothing else changes"
+    return (f"resuming {ckpt.name} at another layout ({sizes}): weights, optimizer state, ALP sigmas, the LR "
+            f"schedule, the data position and the rollout seeds carry over exactly; {rest}")
 
 
 def _perturbation(model) -> Optional[dict]:
@@ -204,9 +311,9 @@ def save_checkpoint(
         state = {"model": model_sharded_state_dict(model)}
         if optimizer is not None:
             check_optimizer_groups(optimizer)
-            state["optimizer"] = optimizer.sharded_state_dict(
-                state["model"], is_loading=False, metadata=OPTIMIZER_METADATA
-            )
+            with _reshardable_state_fix(optimizer):
+                state["optimizer"] = optimizer.sharded_state_dict(
+                    state["model"], is_loading=False, metadata=OPTIMIZER_METADATA)
         if opt_param_scheduler is not None:
             state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
         _in_process_write_queue()
@@ -218,7 +325,7 @@ def save_checkpoint(
             meta = {
                 "format": FORMAT,
                 "saved_at": time.time(),
-                "layout": _layout(model),
+                "layout": current_layout(optimizer),
                 "dtype": str(model.config.params_dtype).removeprefix("torch."),
                 "hf_config": hf_config,
                 "perturbation": _perturbation(model),
@@ -304,7 +411,7 @@ def read_metadata(ckpt_dir) -> dict:
 
 
 def load_checkpoint(ckpt_dir, model, *, optimizer=None, opt_param_scheduler=None, strict=True) -> dict:
-    """Load a checkpoint into ``model`` (any TP/PP/EP layout); returns the saved ``extra`` dict.
+    """Load a checkpoint into ``model`` (any DP/TP/PP/EP layout); returns the saved ``extra`` dict.
 
     ``strict``: every model parameter must be in the checkpoint and every checkpointed model
     tensor must be used. ALP sigmas are exempt both ways: a checkpoint without them (converted
@@ -323,9 +430,11 @@ def load_checkpoint(ckpt_dir, model, *, optimizer=None, opt_param_scheduler=None
     if optimizer is not None:
         if not meta.get("has_optimizer"):
             raise ValueError(f"{ckpt}: holds no optimizer state (saved without an optimizer)")
+        _check_optimizer_format(ckpt, meta.get("layout", {}), optimizer)
         check_optimizer_groups(optimizer)
         _prepare_optimizer_for_load(optimizer)
-        state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=True, metadata=OPTIMIZER_METADATA)
+        with _reshardable_state_fix(optimizer):
+            state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=True, metadata=OPTIMIZER_METADATA)
     if opt_param_scheduler is not None:
         if not meta.get("has_scheduler"):
             raise ValueError(f"{ckpt}: holds no learning-rate scheduler state")

@@ -18,7 +18,7 @@ mini-batch loss in the configured aggregation mode.
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from megatron.core import parallel_state as ps
@@ -114,13 +114,15 @@ def _run(model, micro: list[MicroBatch], step_fn, forward_only: bool):
 def compute_logprobs(
     model, batch: RLBatch, *, batching: Batching, temperature: float, pad_id: int, fused: bool = True,
     routing: Optional[PassRouting] = None, perturb_step: Optional[int] = None,
+    on_micro_batch: Optional[Callable[[MicroBatch], None]] = None,
 ) -> Optional[torch.Tensor]:
     """Unperturbed logprobs of ``batch.targets`` [N, L] (same order and width as ``batch``) on the
     last pipeline stage; None on the other stages. ``fused``: from hidden states and the output
     weight (:func:`~megatron_alp.training.logprobs.linear_token_logprobs`), never materialising the logits.
     ``routing`` (MoE): the experts the pass replays and what it records (into ``batch``).
     ``perturb_step``: instead, the ALP-perturbed logprobs with the noise of that optimizer step's
-    update (forward only; diagnostics and benchmarks)."""
+    update (forward only; diagnostics and benchmarks). ``on_micro_batch(mb)`` is called before each
+    micro-batch's forward on this stage (the calibration's hooks learn which positions are padding)."""
     model.eval()
     device = next(model.parameters()).device
     thd = _takes_thd(model)
@@ -130,6 +132,8 @@ def compute_logprobs(
     def step_fn(data_iter, m):
         mb = next(data_iter).to(device)
         begin_routing(mb)
+        if on_micro_batch is not None:
+            on_micro_batch(mb)
         next_microbatch(m)
         output = _forward(m, mb, thd)
 

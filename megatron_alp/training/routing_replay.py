@@ -8,8 +8,8 @@ Which experts each training pass of an iteration uses, and what it records (:cla
 - **reference pass**: replays ``old_routing`` under ``r2``, the engine's routing under ``r3``.
 - **update pass** (ALP-perturbed): replays ``old_routing`` under ``r2``, the engine's under ``r3``,
   and ``old_routing`` without a replay when ``perturbation.moe_routing: fixed`` (so the noise
-  cannot flip experts) -- unless ``perturbation.moe_routing: follow`` lets the perturbed router
-  choose. It logs how often the noise changed the router's own choice (``moe/noise_flip_frac``),
+  cannot flip experts); without a replay ``perturbation.moe_routing: follow`` lets the perturbed
+  router choose (with a replay it is refused: the update would drop the replayed experts). It logs how often the noise changed the router's own choice (``moe/noise_flip_frac``),
   how often the experts it used differ from those the unperturbed pass used
   (``moe/update_flip_frac``; 0 under ``fixed``), tokens per expert and the load-balancing loss.
 
@@ -71,7 +71,7 @@ class RoutingPlan:
         replay = cfg.moe.routing_replay
         source = {"none": None, "r2": "old_routing", "r3": "rollout_routing"}[replay]
         perturbed = bool(cfg.perturbation.enabled)
-        if perturbed and cfg.perturbation.moe_routing == "follow":
+        if perturbed and cfg.perturbation.moe_routing == "follow":  # only without a replay (resolve refuses it with one)
             update = None
         else:
             update = source or ("old_routing" if perturbed else None)

@@ -66,7 +66,7 @@ from megatron_alp.rollout.placement import Placement, placement_env
 from megatron_alp.rollout.quantization import check_model_not_prequantized, vllm_quantization_args
 from megatron_alp.rollout.vllm.plugin import ENGINE_RANK, SLEEP_WHEN_IDLE
 from megatron_alp.rollout.vllm.transports import SYNC_METHODS, transport_for
-from megatron_alp.rollout.vllm.worker import WorkerExtension
+from megatron_alp.rollout.vllm.worker import WorkerExtension, layer_tensor
 from megatron_alp.rollout.weight_sync import WeightStream, is_finite
 from megatron_alp.runtime.platform import has_gpu
 from megatron_alp.runtime.seeding import derive_seed
@@ -418,6 +418,28 @@ class VLLMEngine(RolloutEngine):
             self._llm.reset_prefix_cache()
         self.last_sync = {"tensors": stream.tensors, "bytes": stream.bytes, "seconds": time.time() - t0,
                           "path": self.transport.name}
+
+    # -------------------------------------------------------------------------- diagnostics
+
+    def layer_states(self, sequences: list[list[int]]) -> list[dict[str, torch.Tensor]]:
+        """What every decoder layer computes for each token sequence, fed whole as one prompt
+        (:meth:`WorkerExtension.capture_layers`; per kind ``[layers, len(sequence), hidden]``).
+        One sequence at a time, with the prefix cache emptied first, so that the captured forward
+        passes hold exactly its tokens, in order; tensor-parallel ranks hold the same full hidden
+        states after each layer's all-reduce, so the first worker's answer is taken."""
+        states = []
+        for i, sequence in enumerate(sequences):
+            self._llm.reset_prefix_cache()
+            self.rpc("capture_layers")
+            try:
+                self.generate([list(sequence)], SamplingParams(temperature=0.0, max_tokens=1))
+            finally:
+                captured = {kind: layer_tensor(packed) for kind, packed in self.rpc("captured_layers")[0].items()}
+            if captured["residual"].shape[1] != len(sequence):
+                raise RolloutError(f"sequence {i}: vLLM's layers saw {captured['residual'].shape[1]} tokens "
+                                   f"of its {len(sequence)} (padded or cached passes)")
+            states.append(captured)
+        return states
 
     # ------------------------------------------------------------------------------ generate
 

@@ -16,14 +16,16 @@ the buffer again every :data:`RECHECK_MS` in case a notification was lost.
 Every process of our engine (:data:`ENGINE_RANK`: the pid of the rank that started it) ends with
 its parent (:func:`~megatron_alp.runtime.process.end_with_parent`): a rank killed by SIGKILL
 would otherwise leave its engine core running, an orphan holding its shared memory, and on a
-cluster its GPU memory, until the machine reboots.
+cluster its GPU memory, until the machine reboots. Each also gets a janitor
+(:func:`~megatron_alp.runtime.process.clean_shared_memory_after`) for the /dev/shm segments it
+maps: vLLM unlinks them only on a clean exit of their creator, and its workers are terminated.
 """
 
 from __future__ import annotations
 
 import os
 
-from megatron_alp.runtime.process import end_with_parent
+from megatron_alp.runtime.process import clean_shared_memory_after, end_with_parent
 
 SLEEP_WHEN_IDLE = "MEGATRON_ALP_VLLM_SLEEP_WHEN_IDLE"
 # How long a reader that waits on the notification socket waits before it looks at the buffer
@@ -40,6 +42,7 @@ def register() -> None:
     rank = os.environ.get(ENGINE_RANK)
     if rank is not None and int(rank) != os.getpid():
         end_with_parent(int(rank))
+        clean_shared_memory_after(os.getpid())
     if os.environ.get(SLEEP_WHEN_IDLE) == "1":
         sleep_when_idle()
 

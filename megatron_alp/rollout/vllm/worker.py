@@ -1,4 +1,6 @@
-"""What megatron-alp adds to vLLM's worker processes (``worker_extension_cls``).
+"""What megatron-alp adds to vLLM's worker processes (``worker_extension_cls``): the receiving
+ends of the weight transports, and the capture of every decoder layer's hidden states for the
+per-layer mismatch report (:mod:`megatron_alp.diagnostics.layer_divergence`).
 
 vLLM imports this module in every worker, in process or in its engine's subprocesses: keep it
 light. The import itself asks for the CPU's AMX tiles (:func:`enable_cpu_amx`), which vLLM's CPU
@@ -7,6 +9,7 @@ bf16 kernels need in every process that runs them.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from megatron_alp.rollout.weight_broadcast import BroadcastReceiver
@@ -22,9 +25,29 @@ def enable_cpu_amx() -> None:
         cpu._init_amx()
 
 
+def _branch(output) -> torch.Tensor:
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _residual_stream(output) -> torch.Tensor:
+    """The residual stream after a decoder layer. vLLM's Llama-style layers return
+    ``(hidden, residual)``, the MLP output and the stream before it, and leave the add to the next
+    layer's fused add-norm: their sum is the stream a Hugging Face (or Megatron) layer outputs."""
+    if isinstance(output, tuple):
+        hidden, residual = output[0], output[1]
+        return hidden if residual is None else hidden + residual
+    return output
+
+
+def layer_tensor(packed) -> torch.Tensor:
+    """A tensor of :meth:`WorkerExtension.captured_layers` back from its (shape, bytes)."""
+    shape, data = packed
+    return torch.from_numpy(np.frombuffer(data, dtype=np.float32).copy()).reshape(shape)
+
+
 class WorkerExtension:
     """Mixed into vLLM's worker class: the receiving ends of the weight transports
-    (:mod:`megatron_alp.rollout.vllm.transports`)."""
+    (:mod:`megatron_alp.rollout.vllm.transports`), and the per-layer capture."""
 
     def load_weight_bucket(self, handle: bytes) -> int:
         """Reload the weights of one bucket packed by :class:`BucketWriter` (whole layers)."""
@@ -40,6 +63,48 @@ class WorkerExtension:
         if receiver is None:
             raise RuntimeError("receive_weight_bucket before join_weight_broadcast")
         return receiver.receive(header, lambda weights: self.reload_weights(weights_iterator=weights))
+
+    def capture_layers(self) -> int:
+        """Record what every decoder layer of this worker's model computes in the forward passes
+        until :meth:`captured_layers`: the residual stream after it and, where the layer has them
+        (``self_attn``, ``mlp``), its attention and MLP outputs. Forward hooks fire only in eager
+        mode (on GPUs ``rollout.enforce_eager``; the CPU engine is always eager). Returns the number
+        of layers hooked."""
+        model = self.model_runner.get_model()
+        layers = [m for m in model.model.layers if hasattr(m, "self_attn") or hasattr(m, "mlp")]
+        self._layer_records = records = {"residual": [[] for _ in layers]}
+        hooks = []
+
+        def recorder(kind, i, take):
+            # copied at once: vLLM's fused add-norm of the next layer overwrites these tensors in place
+            def hook(module, args, output):
+                records[kind][i].append(take(output).detach().to("cpu", torch.float32, copy=True))
+            return hook
+
+        for i, layer in enumerate(layers):
+            hooks.append(layer.register_forward_hook(recorder("residual", i, _residual_stream)))
+            for kind, name in (("attention", "self_attn"), ("mlp", "mlp")):
+                if hasattr(layer, name):
+                    records.setdefault(kind, [[] for _ in layers])
+                    hooks.append(getattr(layer, name).register_forward_hook(recorder(kind, i, _branch)))
+        self._layer_hooks = hooks
+        return len(layers)
+
+    def captured_layers(self) -> dict[str, tuple[list[int], bytes]]:
+        """End :meth:`capture_layers`: per kind, ``[layers, tokens, hidden]`` float32, the tokens of
+        every recorded forward pass in order (vLLM flattens a step's tokens, request after request),
+        as (shape, raw bytes) (:func:`layer_tensor`): vLLM returns a worker's tensors from its
+        engine-core process only as plain lists, unless its insecure pickle serialization is on."""
+        for hook in getattr(self, "_layer_hooks", []):
+            hook.remove()
+        self._layer_hooks = []
+        records = getattr(self, "_layer_records", {})
+        self._layer_records = {}
+        if not records or not all(records["residual"]):
+            raise RuntimeError("no decoder layer ran while capturing: a compiled or CUDA-graph engine skips "
+                               "forward hooks (set rollout.enforce_eager: true)")
+        captured = {kind: torch.stack([torch.cat(calls) for calls in layers]) for kind, layers in records.items()}
+        return {kind: (list(t.shape), t.numpy().tobytes()) for kind, t in captured.items()}
 
 
 enable_cpu_amx()

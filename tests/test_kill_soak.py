@@ -1,0 +1,23 @@
+"""benchmarks/bench_kill_soak.py --quick: an asynchronous 2-replica run SIGKILLed 3 times (the third in the
+weight sync) resumes each time and leaves no process or shared-memory segment behind."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_quick_kill_soak_resumes_every_time_and_leaves_nothing_behind(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_kill_soak.py"), "--quick",
+                           "--out", str(tmp_path / "soak")], capture_output=True, text=True, timeout=3600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-4000:]
+    report = json.loads((tmp_path / "soak" / "report.json").read_text())
+    assert report["kills"] == 3 and report["resumes_trained_on"] == 3 and len(report["rows"]) == 3, report
+    assert report["orphans"] == 0 and report["finished"], report
+    assert report["shm_segments"] > 0 and report["leftover_shm"] == [], report  # what the job's processes mapped
+    assert "resumes that trained on: 3/3" in proc.stdout, proc.stdout
