@@ -93,9 +93,30 @@ def _perturbation(cfg: Config) -> None:
                          "engine's logprobs are renormalised over the kept tokens, a constant log(kept mass) per token "
                          "that the calibration would count as mismatch; sample with top_p: 1.0 and top_k: -1, or set "
                          "perturbation.init_std to a number")
+    if pert.calibration_mode == "per_layer":
+        _per_layer_calibration(cfg)
     if pert.init_std == "auto" and not pert.enabled:
         raise ValueError(f"perturbation.init_std: auto calibrates the ALP noise, but loss.name={cfg.loss.name} "
                          "runs unperturbed (perturbation.enabled is false)")
+
+
+def _per_layer_calibration(cfg: Config) -> None:
+    """What ``perturbation.calibration_mode: per_layer`` needs: the layer probe compares the engine's
+    decoder-layer inputs with one whole-model forward of the trainer's."""
+    pert, engine = cfg.perturbation, ENGINES[cfg.rollout.engine]
+    if pert.init_std != "auto":
+        raise ValueError(f"perturbation.calibration_mode: per_layer sizes the calibrated sigma, which needs "
+                         f"perturbation.init_std: auto (got {pert.init_std})")
+    if str(pert.layers).strip().lower() == "logits":
+        raise ValueError("perturbation.calibration_mode: per_layer with perturbation.layers: logits: the one site "
+                         "is the output layer's input, not a decoder layer's; use calibration_mode: global")
+    if not engine.captures_layers:
+        raise ValueError(f"perturbation.calibration_mode: per_layer with rollout.engine={cfg.rollout.engine}: the "
+                         "engine cannot show its layers' hidden states; use rollout.engine: vllm or calibration_mode: global")
+    if cfg.parallel.pipeline_model_parallel_size > 1:
+        raise ValueError("perturbation.calibration_mode: per_layer with parallel.pipeline_model_parallel_size="
+                         f"{cfg.parallel.pipeline_model_parallel_size}: the layer probe runs whole-model forwards; "
+                         "use calibration_mode: global or pipeline_model_parallel_size 1")
 
 
 def _distributed_optimizer(cfg: Config) -> None:

@@ -4,6 +4,7 @@ import dataclasses
 import math
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from helpers import read_results, torchrun
@@ -207,3 +208,65 @@ def test_a_few_massive_dimensions_do_not_set_the_rms():
     plain = float(x.pow(2).mean().sqrt())
     (robust,) = robust_rms(sums)
     assert robust == pytest.approx(1.0, rel=0.05) and plain > 100
+
+
+# ------------------------------------------------------ calibration_mode: per_layer, no model
+
+
+def test_the_input_divergence_is_the_typical_dimensions_rms_of_the_difference():
+    """Per chosen layer, over the tokens of every probe sequence: the median over hidden dimensions
+    of each dimension's RMS of h_engine - h_train at the layer's input, computed here with numpy; a
+    few massive dimensions (1000x) do not set it, and states of another shape are refused."""
+    g = torch.Generator().manual_seed(3)
+    train = [{"input": torch.randn(3, n, 65, generator=g)} for n in (5, 9)]  # odd: one median dimension
+    noise = torch.tensor([1e-3, 4e-3, 2e-2])  # the engine's drift at each layer's input
+    engine = []
+    for t in train:
+        d = torch.randn(t["input"].shape, generator=g) * noise[:, None, None]
+        d[:, :, :2] *= 1000.0
+        engine.append({"input": t["input"] + d})
+    got = calibration.input_divergence(engine, train, [2, 0])
+    for value, layer in zip(got, [2, 0]):
+        diff = np.concatenate([(e["input"][layer] - t["input"][layer]).double().numpy() for e, t in zip(engine, train)])
+        expected = float(np.sqrt(np.median((diff ** 2).mean(axis=0))))
+        assert value == pytest.approx(expected, rel=1e-6)
+        assert value == pytest.approx(float(noise[layer]), rel=0.15)
+    with pytest.raises(ValueError, match=r"layer probe sequence 0: the engine's layer inputs are \(3, 4, 64\)"):
+        calibration.input_divergence([{"input": torch.zeros(3, 4, 64)}], train[:1], [0])
+
+
+def test_the_probe_takes_the_first_sequences_up_to_its_token_budget():
+    sequences = [list(range(n)) for n in (300, 150, 200, 40)]
+    probe = calibration.probe_sequences(sequences, budget=512)
+    assert [len(s) for s in probe] == [300, 150, 62] and probe[2] == list(range(62))
+    assert calibration.probe_sequences(sequences, budget=100) == [list(range(100))]
+
+
+def test_per_layer_sigmas_follow_each_layers_divergence_and_meet_the_target(monkeypatch):
+    """sigma_h = scale x divergence_h: the ratio of two layers' sigmas is that of their divergences
+    (not of their input RMS), the perturbed KL meets the target, and a layer the engine reproduces
+    exactly (divergence 0) keeps the default sigma, never 0."""
+    old = _logprobs(1)
+    sim = _Simulated(monkeypatch, old + 0.01 * _logprobs(2), old)
+    cfg = PerturbationConfig(enabled=True, init_std="auto", calibration_mode="per_layer")
+    divergence = [4e-3, 1e-3]
+    m = calibrate_sigma(None, sim.batch, cfg, iteration=0, batching=None, temperature=1.0, pad_id=0, fused=True,
+                        divergence=divergence + [0.0])
+    sigmas = sim.sigmas[-1]
+    assert m["calibration/per_layer"] == 1.0 and m["calibration/fallback"] == 0.0
+    assert m["calibration/perturbed_kl"] == pytest.approx(m["calibration/target_kl"], rel=TOLERANCE)
+    assert sigmas[0] / sigmas[1] == pytest.approx(4.0) and sigmas[0] == pytest.approx(m["calibration/scale"] * 4e-3)
+    assert sigmas[2] == PerturbationConfig.model_fields["init_std"].default
+    # noise never above the activations it is added to: scale x divergence <= input RMS in every layer
+    assert all(s[0] <= sim.rms[0] * (1 + 1e-12) and s[1] <= sim.rms[1] * (1 + 1e-12) for s in sim.sigmas)
+
+
+def test_no_layer_divergence_with_a_measured_mismatch_stops_naming_the_mode(monkeypatch):
+    old = _logprobs(1)
+    sim = _Simulated(monkeypatch, old + 0.01 * _logprobs(2), old)
+    cfg = PerturbationConfig(enabled=True, init_std="auto", calibration_mode="per_layer")
+    with pytest.raises(InputError, match=r"^perturbation\.calibration_mode: per_layer: .* use "
+                                         r"perturbation\.calibration_mode: global"):
+        calibrate_sigma(None, sim.batch, cfg, iteration=0, batching=None, temperature=1.0, pad_id=0, fused=True,
+                        divergence=[0.0, 0.0])
+    assert sim.passes == 0

@@ -82,7 +82,9 @@ def test_engine_precision_shows_layer_by_layer(tmp_path, capfd):
         # through vLLM's engine-core process, as its GPU workers are reached; the others in process
         "float32": ["rollout.dtype=float32", "rollout.engine_process=subprocess"],
         "bfloat16": ["rollout.dtype=bfloat16"],
-        "fp8": ["rollout.dtype=bfloat16", "rollout.quantization=fp8_per_channel"],
+        # and sigma calibrated per layer from the same engine's layer inputs
+        "fp8": ["rollout.dtype=bfloat16", "rollout.quantization=fp8_per_channel", "perturbation.init_std=auto",
+                "perturbation.calibration_mode=per_layer"],
     }
     sections = {}
     for name, overrides in settings.items():
@@ -90,7 +92,8 @@ def test_engine_precision_shows_layer_by_layer(tmp_path, capfd):
         assert cli_main(["mismatch", str(cfg), *overrides, "--prompts", "2", "--n", "2", "--max-tokens", "8",
                          "--layers", "4", "--out", str(out)]) == 0
         assert (out / "layers.png").stat().st_size > 10_000
-        section = sections[name] = json.loads((out / "mismatch.json").read_text())["layers"]
+        report = json.loads((out / "mismatch.json").read_text())
+        section = sections[name] = report["layers"]
         printed = capfd.readouterr().out
         assert "hidden-state divergence" in printed and str(out / "layers.png") in printed
         assert section["sequences"] == 4 and section["kinds"] == ["residual", "attention", "mlp"]
@@ -111,3 +114,12 @@ def test_engine_precision_shows_layer_by_layer(tmp_path, capfd):
     for layer in range(4):
         order = [sections[n]["per_layer"][layer]["residual"]["global"] for n in ("fp8", "bfloat16", "float32")]
         assert order[0] > order[1] > 10 * order[2], (layer, order)
+    # per_layer: sigma_h = scale x the engine's drift at layer h's input; FP8 leaves the embedding
+    # (layer 0's input) in bf16, so the noise there is far below the deeper layers'
+    cal = report["calibration"]
+    assert cal["calibration/per_layer"] == 1.0 and len(cal["input_divergence"]) == 4
+    for layer, d in cal["input_divergence"].items():
+        assert cal["sigma"][layer] == pytest.approx(cal["calibration/scale"] * d, rel=1e-5), layer
+    assert cal["input_divergence"]["layer_03"] > 10 * cal["input_divergence"]["layer_00"] > 0, cal
+    assert cal["calibration/perturbed_kl"] == pytest.approx(cal["calibration/target_kl"], rel=0.021)
+    assert "x layer-input divergence engine-train" in printed

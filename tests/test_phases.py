@@ -16,12 +16,12 @@ from test_trainer import SEPARATE, train  # noqa: E402
 # What each phase must hold, written from the description of the phases (not read from the table)
 MEGATRON = {
     "rollout": set(), "engine_start": set(), "validation": set(),
-    "logprob": {"weights"}, "weight_sync": {"weights"}, "sync_verification": {"weights"},
+    "logprob": {"weights"}, "weight_sync": {"weights"}, "sync_verification": {"weights"}, "layer_probe": {"weights"},
     "engine_restart_resync": {"weights"}, "policy_update": {"weights", "grads", "optimizer"},
     "checkpoint_save": {"weights", "optimizer"},
 }
 ENGINE = {
-    "rollout": "awake", "validation": "awake", "sync_verification": "awake",
+    "rollout": "awake", "validation": "awake", "sync_verification": "awake", "layer_probe": "awake",
     "logprob": "asleep", "policy_update": "asleep", "checkpoint_save": "asleep",
     "weight_sync": "weights", "engine_restart_resync": "weights",
 }
@@ -56,7 +56,7 @@ def test_every_phase_releases_before_it_allocates():
     runner.attach(offloader=offloader, rollout=rollout)
     before = [p.detach().clone() for p in model.parameters()]
     previous = "rollout"
-    for name in ("rollout", "logprob", "policy_update", "weight_sync", "sync_verification", "checkpoint_save",
+    for name in ("rollout", "layer_probe", "logprob", "policy_update", "weight_sync", "sync_verification", "checkpoint_save",
                  "rollout", "engine_restart_resync", "rollout", "validation"):
         rollout.entering = name
         runner.enter(name)
@@ -80,7 +80,8 @@ def test_every_phase_releases_before_it_allocates():
 def test_the_table_names_every_phase_the_trainer_and_the_plan_use():
     assert set(MEGATRON) | {"warm_start", "model_build"} == set(PHASES)
     assert {p.plan_row for p in PHASES.values()} == {"warm_start", "training", "rollout", "engine_restart_resync",
-                                                      "weight_sync", "sync_verification", "checkpoint_save"}
+                                                      "weight_sync", "sync_verification", "layer_probe",
+                                                      "checkpoint_save"}
 
 
 def _ledger(run: Path) -> list[dict]:

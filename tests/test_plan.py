@@ -129,7 +129,7 @@ def test_pipeline_stages_count_the_fullest():
     last when it makes the logits and their gradient (bf16), the first with fused linear logprobs
     (at 16384), which keep only the hidden states. With a replica on every 4 GPUs both stages hold a sleeping
     engine."""
-    h, heads, kv_heads, d, ffn, layers, vocab = 5120, 40, 8, 128, 27648, 64, 152064
+    h, heads, kv_heads, d, ffn, vocab = 5120, 40, 8, 128, 27648, 152064
     q, kv = heads * d, kv_heads * d
     layer = (h * (q + 2 * kv) + (q + 2 * kv) + q * h + 3 * h * ffn) // 4 + 2 * h  # TP4 splits the matrices
     per_token_layer = 2 * 4 * h / 4 + 2 * (2 * q + 2 * kv) / 4 + 2 * 3 * ffn / 4  # SP splits the norm inputs

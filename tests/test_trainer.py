@@ -640,26 +640,49 @@ def test_validation_every_eval_interval_on_two_ranks(quickstart_run, tmp_path):
     assert (run / "plots" / "reward.png").is_file()
 
 
-def test_auto_sigma_is_calibrated_before_the_first_update_and_every_k(quickstart_run, tmp_path):
-    """perturbation.init_std: auto on the quickstart (bf16 engine, fp32 trainer), calibrate_every 2,
-    target 2: iterations 0 and 2 calibrate on their own rollouts before their updates (the
-    calibration/* metrics, one terminal line each), the perturbed KL lands within the search's 2% of
-    2x the measured engine-training KL, and the sigmas trained from there are the calibrated ones,
-    not the 1e-4 placeholder (tests/test_calibration.py checks the target with fresh noise)."""
+def _check_calibrated(m: list[dict], calibrating: list[bool], target: float) -> None:
+    """The calibration/* metrics on exactly the calibrating iterations, each meeting its target, and
+    per-layer sigmas sized by the layers' input divergence: bf16 rounding compounds layer by layer,
+    so the last layer's input diverges, and is perturbed, more than the first's."""
+    assert ["calibration/scale" in r for r in m] == calibrating
+    assert ["timing/layer_probe_s" in r for r in m] == calibrating
+    for r in (r for r, due in zip(m, calibrating) if due):
+        assert r["calibration/per_layer"] == 1.0 and r["calibration/train_engine_kl"] > 0
+        assert r["calibration/target_kl"] == pytest.approx(target * r["calibration/train_engine_kl"])
+        assert r["calibration/perturbed_kl"] == pytest.approx(r["calibration/target_kl"], rel=0.021)
+        assert r["sigma/layer_03/mean"] > 2 * r["sigma/layer_00/mean"], r
+    assert abs(math.log(m[0]["sigma/mean"] / 1e-4)) > 1, m[0]["sigma/mean"]
+
+
+def test_auto_sigma_is_calibrated_per_layer_before_the_first_update_and_every_k(quickstart_run, tmp_path):
+    """perturbation.init_std: auto, calibration_mode: per_layer on the quickstart (bf16 engine, fp32
+    trainer), calibrate_every 2, target 2: iterations 0 and 2 probe the layers (engine awake) and
+    calibrate on their own rollouts before their updates (one terminal line each), the perturbed KL
+    lands within the search's 2% of 2x the measured engine-training KL, and the sigmas trained from
+    there are the calibrated ones, not the 1e-4 placeholder (tests/test_calibration.py checks the
+    target with fresh noise, and the global mode on every layout)."""
     run = tmp_path / "auto"
     shutil.copytree(quickstart_run / "base_model", run / "base_model")
     rc, out = train(run, "trainer.iterations=3", "trainer.eval_interval=0", "trainer.save_interval=16",
                     "perturbation.init_std=auto", "perturbation.calibrate_every=2",
-                    "perturbation.calibration_target=2")
+                    "perturbation.calibration_target=2", "perturbation.calibration_mode=per_layer")
     assert rc == 0, out[-6000:]
-    m = metrics(run)
-    assert ["calibration/scale" in r for r in m] == [True, False, True]
-    for r in (m[0], m[2]):
-        assert r["calibration/train_engine_kl"] > 0
-        assert r["calibration/target_kl"] == pytest.approx(2 * r["calibration/train_engine_kl"])
-        assert r["calibration/perturbed_kl"] == pytest.approx(r["calibration/target_kl"], rel=0.021)
-    assert abs(math.log(m[0]["sigma/mean"] / 1e-4)) > 1, m[0]["sigma/mean"]
-    assert out.count("sigma calibrated at iteration") == 2
+    _check_calibrated(metrics(run), [True, False, True], 2.0)
+    assert out.count("sigma calibrated at iteration") == 2 and "x layer-input divergence engine-train" in out
+
+
+@pytest.mark.slow
+def test_per_layer_calibration_on_two_tensor_parallel_ranks_with_sequence_parallelism(quickstart_run, tmp_path):
+    """The layer probe under TP=2 with sequence parallelism: both ranks run the probe's forwards,
+    the layer inputs are gathered from their sequence shards, rank 0 compares them with the engine's
+    and every rank sets the same sigmas."""
+    run = tmp_path / "tp2_sp"
+    out = _train_two_ranks(run, quickstart_run, "trainer.iterations=1", "trainer.eval_interval=0",
+                           "trainer.save_interval=16", "parallel.tensor_model_parallel_size=2",
+                           "parallel.sequence_parallel=true", "perturbation.init_std=auto",
+                           "perturbation.calibration_mode=per_layer")
+    _check_calibrated(metrics(run), [True], 1.0)
+    assert "x layer-input divergence engine-train" in out
 
 
 def test_warm_start_leaves_out_the_box_on_a_fraction_of_prompts(tmp_path):

@@ -46,19 +46,16 @@ from megatron_alp.commands.context import (
 from megatron_alp.config import Config, InputError, ParallelConfig, RolloutConfig, TIRConfig
 from megatron_alp.data.prompts import PromptDataset, load_tokenizer, pad_id
 from megatron_alp.diagnostics.figures import probability_scatter
-from megatron_alp.diagnostics.layer_divergence import (
-    draw_layers,
-    format_layers,
-    layer_divergence,
-    megatron_layer_states,
-)
+from megatron_alp.diagnostics.layer_divergence import KINDS, draw_layers, format_layers, layer_divergence
 from megatron_alp.diagnostics.mismatch_report import describe, draw_envelope, engine_settings, mismatch_report
 from megatron_alp.models.families import hf_to_megatron, load_hf_config
 from megatron_alp.resolve import load_config
 from megatron_alp.rollout import DistributedRollout
+from megatron_alp.rollout.base import get_engine
 from megatron_alp.runtime.console import held_warnings, say
 from megatron_alp.training.builder import build_gpt_model
-from megatron_alp.training.calibration import calibrate_sigma
+from megatron_alp.training.calibration import calibrate_sigma, layer_input_divergence, probe_sequences
+from megatron_alp.training.layer_states import megatron_layer_states
 from megatron_alp.training.micro_batch import Batching
 from megatron_alp.training.perturbation import sigma_stats
 from megatron_alp.training.policy import load_weights
@@ -76,6 +73,7 @@ def measure(cfg: Config, model_dir: str, *, prompts: int, n: Optional[int], max_
     logprobs."""
     s = cfg.rollout.sampling
     n = n or s.n
+    per_layer = cfg.perturbation.enabled and cfg.perturbation.calibration_mode == "per_layer"
     max_tokens = min(max_tokens or s.max_response_length, s.max_response_length)
     split = "val" if cfg.data.val_files else "train"
     tokenizer = load_tokenizer(model_dir)
@@ -99,10 +97,14 @@ def measure(cfg: Config, model_dir: str, *, prompts: int, n: Optional[int], max_
             # every token that was fed through the models (the last one is only a target)
             sequences = [(t.prompt_ids + t.response_ids)[:-1] for t in trajectories[:layers]]
             engine_states = engine_layer_states(engine, sequences) if layers else None
+            # perturbation.calibration_mode: per_layer sizes sigma by each layer's input divergence
+            probe = probe_sequences([t.prompt_ids + t.response_ids for t in trajectories]) if per_layer else []
+            probe_states = engine_layer_states(engine, probe) if probe else None
         finally:
             engine.shutdown()
-        layer_report = layer_divergence(engine_states, megatron_layer_states(model, sequences)) if layers else None
-        del engine_states  # [layers, tokens, hidden] x 3 per sequence: not kept through the scoring below
+        layer_report = layer_divergence(engine_states, megatron_layer_states(model, sequences, KINDS)) if layers else None
+        divergence = layer_input_divergence(model, probe_states, probe) if probe else None
+        del engine_states, probe_states  # [layers, tokens, hidden] per kind and sequence: not kept for the scoring
         batch = build_rl_batch(trajectories, torch.zeros(len(trajectories)), pad_id(tokenizer))
         logprob_pass = dict(batching=Batching.for_logprobs(cfg.trainer), temperature=s.temperature,
                             pad_id=pad_id(tokenizer), fused=cfg.trainer.fused_linear_logprobs)
@@ -110,8 +112,11 @@ def measure(cfg: Config, model_dir: str, *, prompts: int, n: Optional[int], max_
         calibration = None
         if cfg.perturbation.enabled:
             batch.old_logprobs = train_lp
-            calibration = calibrate_sigma(model, batch, cfg.perturbation, iteration=0, **logprob_pass)
+            calibration = calibrate_sigma(model, batch, cfg.perturbation, iteration=0, divergence=divergence,
+                                          **logprob_pass)
             calibration["sigma"] = {k.split("/")[1]: v for k, v in sigma_stats(model).items() if k.endswith("/mean")}
+            if divergence is not None:
+                calibration["input_divergence"] = dict(zip(calibration["sigma"], divergence))
     keep = batch.loss_mask > 0
     first = torch.tensor([len(t.prompt_ids) - 1 for t in trajectories])  # column of each response's first target
     positions = (torch.arange(batch.tokens.shape[1]).unsqueeze(0) - first.unsqueeze(1))[keep]
@@ -137,11 +142,10 @@ def measure(cfg: Config, model_dir: str, *, prompts: int, n: Optional[int], max_
 
 def engine_layer_states(rollout: DistributedRollout, sequences: list[list[int]]) -> list[dict]:
     """The engine's per-layer hidden states of ``sequences``, captured inside it (vLLM only)."""
-    capture = getattr(rollout.engine, "layer_states", None)
-    if capture is None:
+    if not get_engine(rollout.cfg.engine).captures_layers:
         raise InputError(f"--layers: rollout.engine {rollout.cfg.engine} cannot show its layers' hidden states; "
                          "use rollout.engine vllm")
-    return capture(sequences)
+    return rollout.layer_states(sequences)
 
 
 def setting_name(cfg: Config) -> str:
@@ -247,7 +251,8 @@ def run(args) -> int:
     cal = report["calibration"]
     if cal:
         sigmas = ", ".join(f"{k} {v:.3g}" for k, v in cal["sigma"].items())
-        say(f"perturbation.init_std: auto would set sigma = {cal['calibration/scale']:.3g} x layer-input RMS ({sigmas}): "
+        size = "layer-input divergence engine-train" if cal.get("calibration/per_layer") else "layer-input RMS"
+        say(f"perturbation.init_std: auto would set sigma = {cal['calibration/scale']:.3g} x {size} ({sigmas}): "
             f"KL(train || perturbed) {cal['calibration/perturbed_kl']:.3g} for a target of "
             f"{cal['calibration/target_kl']:.3g} (perturbation.calibration_target x the k3 KL above)")
     written = [out / "mismatch.json", out / "mismatch.png"]

@@ -227,6 +227,16 @@ class PerturbationConfig(_Section):
         "measured engine-training KL. The paper's bound (section 3) wants sigma large enough to cover the "
         "engine's disturbance and small enough to keep the policy: 1 makes the two divergences equal.",
     )
+    calibration_mode: Literal["global", "per_layer"] = Field(
+        "global",
+        description="With `init_std: auto`, the size of each layer's noise before the global scale is searched. "
+        "`global`: the RMS of the layer's input hidden states (the same noise-to-activation ratio in every "
+        "layer). `per_layer`: the measured divergence of the layer's input between the rollout engine and "
+        "the trainer, on the first sequences of the calibrating batch (the size of the paper's zeta_h, which sigma_h "
+        "must cover): layers where the engine drifts more get more noise. Needs an engine that shows its "
+        "layers' hidden states (vLLM; on GPUs `rollout.enforce_eager: true`), "
+        "`parallel.pipeline_model_parallel_size` 1 and transformer-layer sites (not `layers: logits`).",
+    )
     lr: float = Field(5e-4, ge=0.0, description="Learning rate of the sigma parameters (own group).")
     weight_decay: float = Field(
         0.0,

@@ -2,77 +2,21 @@
 from Megatron's, layer by layer, on the same token sequences.
 
 The engine side is captured inside the rollout engine (:meth:`VLLMEngine.layer_states
-<megatron_alp.rollout.vllm.engine.VLLMEngine.layer_states>`), the training side here, with forward
-hooks on Megatron's decoder layers in an unperturbed forward: per layer the residual stream after
-it and, separately, its attention and MLP outputs (the branches added to the stream). Per layer
-and kind the report gives the relative divergence ``||h_engine - h_train|| / ||h_train||``, as
-the mean over tokens of the per-token ratio and as the ratio of the norms over all tokens
-(``global``), the growth of ``global`` from the layer before, and the layer where it grows most:
-where a lower-precision engine's rounding is amplified. docs/mismatch.md shows how to read it.
+<megatron_alp.rollout.vllm.engine.VLLMEngine.layer_states>`), the training side by
+:func:`~megatron_alp.training.layer_states.megatron_layer_states` in an unperturbed forward: per
+layer the residual stream after it and, separately, its attention and MLP outputs (the branches
+added to the stream). Per layer and kind the report gives the relative divergence
+``||h_engine - h_train|| / ||h_train||``, as the mean over tokens of the per-token ratio and as the
+ratio of the norms over all tokens (``global``), the growth of ``global`` from the layer before,
+and the layer where it grows most: where a lower-precision engine's rounding is amplified. docs/mismatch.md shows how to read it.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Iterator
-
 import numpy as np
 import torch
-from megatron.core.utils import unwrap_model
 
-KINDS = ("residual", "attention", "mlp")
-
-
-def _first(output) -> torch.Tensor:
-    """A Megatron module's output: layers return ``(hidden, context)``, attention and MLP ``(out, bias)``
-    (a bias the layer adds with the residual, part of the branch as in the engine's projection)."""
-    if not isinstance(output, tuple):
-        return output
-    out, bias = output[0], output[1]
-    return out if bias is None else out + bias
-
-
-@contextmanager
-def captured(model) -> Iterator[dict[str, list[list[torch.Tensor]]]]:
-    """Record, per kind and decoder layer, the ``[s, b, h]`` outputs of the forward passes inside."""
-    layers = list(unwrap_model(model).decoder.layers)
-    records = {kind: [[] for _ in layers] for kind in KINDS}
-    hooks = []
-
-    def recorder(kind, i):
-        def hook(module, args, output):
-            records[kind][i].append(_first(output).detach().to("cpu", torch.float32, copy=True))
-        return hook
-
-    for i, layer in enumerate(layers):
-        for kind, module in (("residual", layer), ("attention", layer.self_attention), ("mlp", layer.mlp)):
-            hooks.append(module.register_forward_hook(recorder(kind, i)))
-    try:
-        yield records
-    finally:
-        for hook in hooks:
-            hook.remove()
-
-
-@torch.no_grad()
-def megatron_layer_states(model, sequences: list[list[int]]) -> list[dict[str, torch.Tensor]]:
-    """Megatron's side of :func:`layer_divergence`: per sequence and kind ``[layers, tokens, hidden]``
-    float32, from a plain causal forward of the sequence alone (eval mode, no perturbation: noise is
-    added only inside :func:`~megatron_alp.training.perturbation.perturbed_step`)."""
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    states = []
-    try:
-        for sequence in sequences:
-            tokens = torch.tensor([sequence], device=device)
-            with captured(model) as records:
-                model(tokens, torch.arange(len(sequence), device=device).unsqueeze(0), None)
-            # [s, 1, h] per layer -> [layers, s, h]
-            states.append({kind: torch.stack([calls[0][:, 0] for calls in layers]) for kind, layers in records.items()})
-    finally:
-        model.train(was_training)
-    return states
+KINDS = ("residual", "attention", "mlp")  # the report's kinds of layer states (megatron_alp/training/layer_states.py)
 
 
 def relative_divergence(engine: list[torch.Tensor], train: list[torch.Tensor]) -> dict:
@@ -85,7 +29,7 @@ def relative_divergence(engine: list[torch.Tensor], train: list[torch.Tensor]) -
 
 
 def layer_divergence(engine: list[dict[str, torch.Tensor]], train: list[dict[str, torch.Tensor]]) -> dict:
-    """The ``layers`` section of mismatch.json from both sides' :func:`megatron_layer_states`-shaped
+    """The ``layers`` section of mismatch.json from both sides' :func:`~megatron_alp.training.layer_states.megatron_layer_states`-shaped
     states: per layer (0-based, as ``model.layers.<i>`` of the checkpoint) the divergence of each
     kind both sides captured, the growth of the residual stream's global divergence from the layer
     before, and the jump (the largest growth)."""

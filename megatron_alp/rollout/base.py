@@ -149,6 +149,9 @@ class RolloutEngine(abc.ABC):
     # Whether generate() can pause between decoding steps for a weight update and continue the
     # unfinished sequences afterwards (``rollout.partial_rollout``; see :class:`Interruption`).
     partial_rollouts: ClassVar[bool] = False
+    # Whether :meth:`layer_states` can show the hidden states of every decoder layer
+    # (``megatron-alp mismatch --layers``, ``perturbation.calibration_mode: per_layer``).
+    captures_layers: ClassVar[bool] = False
     # Set by the replica's producer when partial rollouts are on.
     interruption: Optional[Interruption] = None
 
@@ -163,6 +166,12 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new weights given as (Hugging Face parameter name, full tensor) pairs."""
+
+    def layer_states(self, sequences: list[list[int]]) -> list[dict[str, torch.Tensor]]:
+        """Per token sequence, fed whole as one prompt, and per kind (``input``: the residual stream
+        entering each decoder layer; ``residual``: after it; ``attention``, ``mlp``: its branches)
+        ``[layers, len(sequence), hidden]`` float32, where :attr:`captures_layers`."""
+        raise RolloutError(f"rollout.engine {self.name} cannot show its layers' hidden states")
 
     def sleep(self) -> None:
         """Free accelerator memory (KV cache, weights) while the trainer runs, where supported."""

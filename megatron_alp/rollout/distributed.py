@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, ContextManager, Optional
 
+import torch
 import torch.distributed as dist
 
 from megatron_alp.algorithms.balance import imbalance, partition
@@ -477,6 +478,20 @@ class DistributedRollout:
         if worst is None:
             return {}
         return {"sync/verify_mean_abs_diff": worst["mean"], "sync/verify_max_abs_diff": worst["max"]}
+
+    def layer_states(self, sequences: list[list[int]]) -> Optional[list[dict[str, torch.Tensor]]]:
+        """Replica 0's :meth:`RolloutEngine.layer_states` of ``sequences``, on rank 0 (its leader;
+        None elsewhere: the states are ``[layers, tokens, hidden]`` per kind and sequence, too large
+        to send around). Every rank calls it; a failure raises on every rank."""
+        states, error = None, None
+        if self.rank == 0:
+            try:
+                states = self._run(lambda engine: engine.layer_states(sequences))[1]
+            except Exception as err:
+                error = err
+        self._check([self.broadcast(_picklable(error))] + [None] * (self.replicas - 1), error,
+                    "capturing the engine's layer states")
+        return states
 
     def _vocab_size(self) -> int:
         return int(load_hf_config(self.model_dir)["vocab_size"])

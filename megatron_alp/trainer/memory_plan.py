@@ -14,6 +14,8 @@ phase keeps of Megatron's state and of the engine's memory), and any of them can
 - **weight sync** and **engine restart + resync**: Megatron's weights, the gathered bucket (and a
   leader's copy of it for the engine), the engine's weights awake without its KV cache;
 - **sync verification**: Megatron's weights and a probe's forward pass beside the awake engine;
+- **layer probe** (``perturbation.calibration_mode: per_layer``): Megatron's weights and a plain
+  forward of one probe sequence (full logits) beside the awake engine;
 - **checkpoint save**: weights and optimizer state, the engine asleep.
 
 A run with ``rollout.placement: separate`` keeps the two apart. Its GPU count (``--gpus``) is the
@@ -117,6 +119,7 @@ from megatron_alp.resolve import config_from_dict
 from megatron_alp.rollout.base import resolve_max_model_len
 from megatron_alp.rollout.placement import auto_replicas, check_sync_placement, replica_layout
 from megatron_alp.trainer.phases import PHASES, PhaseSpec
+from megatron_alp.training.calibration import LAYER_PROBE_TOKENS
 from megatron_alp.training.logprobs import CHUNK_ELEMENTS
 
 GiB = 1 << 30
@@ -702,6 +705,9 @@ def _phase_runs(cfg: Config, spec: PhaseSpec) -> Optional[str]:
         return "trainer.eval_interval: 0"
     if spec.name == "sync_verification" and not cfg.rollout.verify_sync:
         return "rollout.verify_sync: false"
+    if spec.name == "layer_probe" and not (cfg.perturbation.init_std == "auto"
+                                           and cfg.perturbation.calibration_mode == "per_layer"):
+        return "perturbation.calibration_mode: per_layer not set"
     if spec.name == "warm_start" and cfg.model.tiny is None:
         return "not a tiny model: model.tiny unset"
     if spec.name == "warm_start" and not cfg.trainer.sft_warmup_steps:
@@ -736,6 +742,11 @@ def _table_phase(cfg: Config, arch: Architecture, lay: Layout, spec: PhaseSpec, 
             probe = MicroBatchShape(PROBE_TOKENS, PROBE_TOKENS * 24, "probe")
             items.append(_forward_activations(cfg, arch, lay, probe))
             items += _output(cfg, arch, lay, PROBE_TOKENS, backward=False) if last else []
+        if spec.work == "layer_probe":  # one sequence at a time, a plain forward: full logits
+            n, b = LAYER_PROBE_TOKENS, DTYPE_BYTES[cfg.model.dtype]
+            items.append(_forward_activations(cfg, arch, lay, MicroBatchShape(n, n * n, f"{n} tokens (layer probe)")))
+            items += [Item("logits", f"logits ({cfg.model.dtype})", n * (arch.vocab // lay.tp) * b,
+                           f"{n} tok x {arch.vocab // lay.tp} vocab/TP x {b} B")] if last else []
         items.append(Item("runtime", "CUDA context, NCCL, workspaces", RUNTIME_BYTES, "fixed allowance"))
         if engine_here and spec.engine != "none":
             items += _engine_items(cfg, arch, lay, spec.engine, gpu_mem_gib, engine_weights, kv_cache)
@@ -829,7 +840,7 @@ def _plan(cfg: Config, gpus: int, gpu_mem_gib: float, hf: dict, source: str,
             problems.append(f"{phase.title} needs {_gib(phase.total)} GiB on {phase.where}, over the "
                             f"{_gib(usable)} GiB usable")
     order = ("warm_start", "rollout", "engine_restart_resync", "training", "weight_sync", "sync_verification",
-             "checkpoint_save")
+             "layer_probe", "checkpoint_save")
     phases = tuple(rows[name] for name in order)
     kept = set(rollout.resident)
     offloaded = 0 if lay.separate else sum(i.nbytes for i in _megatron_state(cfg, lay, *_stage_params(arch, lay)[0])

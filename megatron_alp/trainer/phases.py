@@ -41,7 +41,7 @@ class PhaseSpec:
     title: str
     megatron: tuple[str, ...]  # the Megatron state (of KINDS) it needs on the GPU; the reference goes with "weights"
     engine: str  # the engine memory it needs awake (ENGINE_STATES)
-    work: str  # what else it allocates, for the plan: update, forward, bucket, probe, or nothing
+    work: str  # what else it allocates, for the plan: update, forward, bucket, probe, layer_probe, or nothing
     plan_row: str  # the row of `megatron-alp plan` that counts it
 
     @property
@@ -59,6 +59,8 @@ PHASES: dict[str, PhaseSpec] = {p.name: p for p in (
     PhaseSpec("rollout", "rollout (engine awake)", (), "awake", "", "rollout"),
     PhaseSpec("engine_restart_resync", "engine restart + resync (a crashed engine mid-rollout)", ("weights",),
               "weights", "bucket", "engine_restart_resync"),
+    PhaseSpec("layer_probe", "layer probe (perturbation.calibration_mode: per_layer: layer inputs on both sides)",
+              ("weights",), "awake", "layer_probe", "layer_probe"),
     PhaseSpec("logprob", "old/reference logprob passes (and sigma calibration)", ("weights",), "asleep",
               "forward", "training"),
     PhaseSpec("policy_update", "policy update", KINDS, "asleep", "update", "training"),

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -69,7 +70,13 @@ from megatron_alp.trainer.run_dir import (
     prune_checkpoints,
     write_config,
 )
-from megatron_alp.training.calibration import calibrate_sigma, calibration_due, calibration_line
+from megatron_alp.training.calibration import (
+    calibrate_sigma,
+    calibration_due,
+    calibration_line,
+    layer_input_divergence,
+    probe_sequences,
+)
 from megatron_alp.training.dist_checkpoint import (
     current_layout,
     intact_checkpoint,
@@ -284,9 +291,10 @@ class RLTrainer:
         local, sizes, balance = data_parallel_split(batch, cfg.trainer, self.args.transformer["hidden_size"],
                                                     ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
         m.update(balance)
+        divergence = self._layer_probe(batch, m)
         self.phases.enter("logprob")
         with peak_memory(m, "logprob"):
-            self._logprob_passes(local, m)
+            self._logprob_passes(local, m, divergence)
         self.phases.enter("policy_update")
         with peak_memory(m, "update"), timed(m, "update"):
             step_stats, loss_metrics = self._update(local, sizes)
@@ -309,9 +317,22 @@ class RLTrainer:
         dump_token_probs(self.cfg.trainer.token_prob_samples, local, self.run_dir, self.iteration)
         return out
 
-    def _logprob_passes(self, local, m: dict) -> None:
+    def _layer_probe(self, batch, m: dict) -> Optional[list[float]]:
+        """At a calibration under ``perturbation.calibration_mode: per_layer``: the divergence of each
+        perturbed layer's input between the engine and Megatron on the batch's first sequences."""
+        pert = self.cfg.perturbation
+        if pert.calibration_mode != "per_layer" or not calibration_due(pert, self.iteration):
+            return None
+        self.phases.enter("layer_probe")
+        with timed(m, "layer_probe"):
+            sequences = probe_sequences([row[:n] for row, n in zip(batch.tokens.tolist(), batch.lengths.tolist())])
+            return self.rollout.broadcast(
+                layer_input_divergence(self.policy, self.rollout.layer_states(sequences), sequences))
+
+    def _logprob_passes(self, local, m: dict, divergence: Optional[list[float]]) -> None:
         """The unperturbed old-policy pass (when the loss, the mismatch metrics or routing replay need
-        it), sigma calibration when due, and the reference pass (with a KL penalty)."""
+        it), sigma calibration when due (sized by ``divergence`` per layer, from :meth:`_layer_probe`,
+        else by the layer-input RMS), and the reference pass (with a KL penalty)."""
         cfg = self.cfg
         passes = dict(batching=Batching.for_logprobs(cfg.trainer), temperature=cfg.rollout.sampling.temperature,
                       pad_id=self.pad_id, fused=cfg.trainer.fused_linear_logprobs)
@@ -322,7 +343,7 @@ class RLTrainer:
         if calibrate:
             with timed(m, "calibration"):
                 m.update(calibrate_sigma(self.policy, local, cfg.perturbation, iteration=self.iteration,
-                                         replay=self.routing.update.replay, **passes))
+                                         replay=self.routing.update.replay, divergence=divergence, **passes))
             sigmas = gather_sigma_stats(self.policy_module)
             if self.rank == 0:
                 say(calibration_line(m, sigmas, cfg.perturbation.calibration_target, self.iteration))

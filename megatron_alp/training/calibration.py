@@ -13,13 +13,18 @@ show up as KL divergences on the first batch of rollouts, so sigma is chosen to 
    in every layer, as zeta would. The RMS is the median over hidden dimensions of each dimension's
    RMS: real checkpoints (Qwen) carry a few "massive activation" dimensions thousands of times
    larger than the rest, which would set the overall RMS alone and the noise far above the size
-   of every other dimension;
+   of every other dimension.
+   With ``perturbation.calibration_mode: per_layer`` the scale of a layer is instead the measured
+   divergence of its input between the engine and the trainer (:func:`layer_input_divergence`: the
+   same robust RMS, of ``h_engine - h_train`` over the tokens of the batch's first sequences, up to
+   ``LAYER_PROBE_TOKENS``): the size of the paper's zeta_h itself, so layers where the engine drifts
+   more get more noise, where the global mode gives every layer the same noise-to-activation ratio;
 3. a global scale s, searched (secant steps on log KL against log s, where KL grows like s^2 for
-   small s, s at most ``MAX_SCALE``) until the k3 estimate of KL(pi_train || pi_train,sigma) over
-   the same tokens, with ``sigma_h = s * RMS_h``, is ``calibration_target`` times the mismatch,
+   small s; s at most what puts the noise at ``MAX_SCALE`` x the input RMS in some layer) until the k3 estimate of KL(pi_train || pi_train,sigma) over
+   the same tokens, with ``sigma_h = s * scale_h``, is ``calibration_target`` times the mismatch,
    within 2%.
 
-It never ends silently on a bad sigma. A target no scale up to ``MAX_SCALE`` meets within
+It never ends silently on a bad sigma. A target no scale up to that bound meets within
 ``ACCEPTED`` (the perturbed KL saturates once the noise swamps the activations) stops the run with
 an :class:`~megatron_alp.config.InputError` naming ``perturbation.calibration_target``. A measured
 mismatch that is 0 (an engine bit-identical to the trainer) or not finite gives no size to match:
@@ -54,6 +59,7 @@ from megatron.core import parallel_state as ps
 from megatron_alp.config import InputError, PerturbationConfig
 from megatron_alp.models.routing import to_router
 from megatron_alp.runtime.comm import comm_device
+from megatron_alp.training.layer_states import megatron_layer_states
 from megatron_alp.training.micro_batch import Batching, MicroBatch
 from megatron_alp.training.perturbation import controller_of, perturbation_sites, set_sigmas
 from megatron_alp.training.policy_update import compute_logprobs, from_last_stage, model_chunks
@@ -67,6 +73,7 @@ FIRST_SCALE = 1e-2  # noise at 1% of each layer's input RMS
 MAX_SCALE = 1.0  # noise as large as the activations it is added to: beyond, the policy is noise
 NOISE_DRAWS = 4  # the perturbed KL of a candidate scale is the mean over this many noise draws
 FALLBACK_STD = PerturbationConfig.model_fields["init_std"].default  # sigma when there is nothing to match
+LAYER_PROBE_TOKENS = 512  # per_layer mode: the tokens whose layer inputs the engine and Megatron both show
 
 
 def calibration_due(cfg: PerturbationConfig, iteration: int) -> bool:
@@ -159,6 +166,56 @@ def layer_input_rms(model, batch: RLBatch, passes: dict) -> list[float]:
     return [by_host[id(s)] for s in perturbation_sites(model_chunks(model))]
 
 
+def probe_sequences(sequences: list[list[int]], budget: int = LAYER_PROBE_TOKENS) -> list[list[int]]:
+    """The per-layer probe: the first of ``sequences`` (token ids), ``budget`` tokens in all, the
+    last one cut short (a layer's states at a token depend on the tokens before it only)."""
+    probe, total = [], 0
+    for sequence in sequences:
+        take = min(len(sequence), budget - total)
+        if take < 1:
+            break
+        probe.append(list(sequence[:take]))
+        total += take
+    return probe
+
+
+def site_layers(model) -> list[int]:
+    """The decoder layer (0-based, as ``model.layers.<i>`` of the checkpoint) whose input each
+    perturbed site perturbs, in :func:`~megatron_alp.training.perturbation.perturbation_sites` order."""
+    by_site = {id(h.alp_perturbation): getattr(h, "layer_number", None) for h in _hosts(model)}
+    layers = [by_site[id(s)] for s in perturbation_sites(model_chunks(model))]
+    if None in layers:
+        raise InputError("perturbation.calibration_mode: per_layer needs decoder-layer sites (not layers: logits)")
+    return [n - 1 for n in layers]
+
+
+def input_divergence(engine: list[dict[str, torch.Tensor]], train: list[dict[str, torch.Tensor]],
+                     layers: list[int]) -> list[float]:
+    """Per layer in ``layers``: the robust RMS (:func:`robust_rms`) over all tokens of the probe of
+    ``h_engine - h_train`` at the layer's input (the ``input`` states of both sides, ``[layers,
+    tokens, hidden]`` per sequence)."""
+    for i, (e, t) in enumerate(zip(engine, train)):
+        if e["input"].shape != t["input"].shape:
+            raise ValueError(f"layer probe sequence {i}: the engine's layer inputs are {tuple(e['input'].shape)}, "
+                               f"Megatron's {tuple(t['input'].shape)} ([layers, tokens, hidden]): not the same model")
+    rows = []
+    for layer in layers:
+        squares = sum((e["input"][layer].double() - t["input"][layer].double()).square().sum(dim=0)
+                      for e, t in zip(engine, train))
+        tokens = sum(t["input"].shape[1] for t in train)
+        rows.append(torch.cat([squares, torch.tensor([float(tokens)], dtype=torch.float64)]))
+    return robust_rms(torch.stack(rows))
+
+
+def layer_input_divergence(model, engine: Optional[list[dict[str, torch.Tensor]]],
+                           sequences: list[list[int]]) -> Optional[list[float]]:
+    """Per perturbed site, :func:`input_divergence` of ``sequences`` between the engine's states of
+    them (:meth:`~megatron_alp.rollout.distributed.DistributedRollout.layer_states`, on rank 0) and
+    this model's. Every rank runs the model's forwards; the result is on rank 0 (None elsewhere)."""
+    train = megatron_layer_states(model, sequences, kinds=("input",))
+    return input_divergence(engine, train, site_layers(model)) if engine is not None else None
+
+
 def _next_scale(history: list[tuple[float, float]], target: float) -> float:
     """Secant step on log KL(log s); KL ~ s^2 at first. A draw too small to move any logprob
     (KL 0) grows s tenfold; one so large that the logprobs overflow (KL inf or nan) shrinks it tenfold."""
@@ -177,48 +234,58 @@ def _next_scale(history: list[tuple[float, float]], target: float) -> float:
     return s * min(max(factor, 1e-3), 1e3)
 
 
-def _sigmas(scale: float, rms: list[float]) -> list[float]:
-    """``scale * RMS_h`` per site; a site whose input is all zeros gets the fallback, never sigma 0."""
-    return [scale * r if scale * r > 0 else FALLBACK_STD for r in rms]
+def _sigmas(scale: float, sizes: list[float]) -> list[float]:
+    """``scale * size_h`` per site; a site whose size is 0 (an input all zeros, or one the engine
+    reproduces exactly) gets the fallback, never sigma 0."""
+    return [scale * r if scale * r > 0 else FALLBACK_STD for r in sizes]
 
 
 def calibrate_sigma(model, batch: RLBatch, cfg: PerturbationConfig, *, iteration: int, batching: Batching,
-                    temperature: float, pad_id: int, fused: bool, replay: Optional[str] = None) -> dict[str, float]:
+                    temperature: float, pad_id: int, fused: bool, replay: Optional[str] = None,
+                    divergence: Optional[list[float]] = None) -> dict[str, float]:
     """Set every site's sigma from ``batch`` (with ``old_logprobs``): see the module docstring.
-    ``replay``: the routing field the update pass replays on an MoE model. Returns the
-    ``calibration/*`` metrics; the sigmas of the chosen scale are set on return. Raises
+    ``replay``: the routing field the update pass replays on an MoE model. ``divergence``: per site,
+    :func:`layer_input_divergence` (``calibration_mode: per_layer``); None: the layer-input RMS.
+    Returns the ``calibration/*`` metrics; the sigmas of the chosen scale are set on return. Raises
     :class:`~megatron_alp.config.InputError` when ``calibration_target`` is out of reach."""
     passes = dict(batching=batching, temperature=temperature, pad_id=pad_id, fused=fused,
                   routing=PassRouting(replay=replay) if replay else None)
     measured = k3_kl(batch.rollout_logprobs, batch.old_logprobs, batch.loss_mask)
     rms = layer_input_rms(model, batch, passes)
+    sizes = rms if divergence is None else divergence
     if not (math.isfinite(measured) and measured > 0):  # nothing to match: never sigma 0 (log-sigma -inf)
-        set_sigmas(model, [FALLBACK_STD] * len(rms))
+        set_sigmas(model, [FALLBACK_STD] * len(sizes))
         return {"calibration/train_engine_kl": measured, "calibration/target_kl": 0.0,
                 "calibration/perturbed_kl": 0.0, "calibration/scale": 0.0, "calibration/evaluations": 0.0,
                 "calibration/fallback": 1.0}
+    if not any(d > 0 for d in sizes):
+        raise InputError(f"perturbation.calibration_mode: {cfg.calibration_mode}: the engine-train KL is {measured:.3g} "
+                         "but no perturbed layer's input differs between the engine and the trainer on the probe, "
+                         "so there is no layer size to scale; use perturbation.calibration_mode: global")
     target = cfg.calibration_target * measured
+    # noise at most as large as the activations it is added to, in every layer
+    most = min(MAX_SCALE * r / d for r, d in zip(rms, sizes) if d > 0)
     history: list[tuple[float, float]] = []
-    scale = FIRST_SCALE
+    scale = min(FIRST_SCALE if divergence is None else 1.0, most)  # per_layer: first, noise the size of zeta_h
     for _ in range(MAX_EVALUATIONS):
-        set_sigmas(model, _sigmas(scale, rms))
+        set_sigmas(model, _sigmas(scale, sizes))
         draws = [compute_logprobs(model, batch, perturb_step=-(iteration * NOISE_DRAWS + j + 1), **passes)
                  for j in range(NOISE_DRAWS)]
         history.append((scale, sum(k3_kl(batch.old_logprobs, d, batch.loss_mask) for d in draws) / NOISE_DRAWS))
         kl = history[-1][1]
-        if abs(kl / target - 1) <= TOLERANCE or (scale >= MAX_SCALE and math.isfinite(kl) and kl < target):
+        if abs(kl / target - 1) <= TOLERANCE or (scale >= most and math.isfinite(kl) and kl < target):
             break
-        scale = min(_next_scale(history, target), MAX_SCALE)
+        scale = min(_next_scale(history, target), most)
     scale, kl = min(history, key=lambda h: abs(math.log(h[1] / target)) if 0 < h[1] < math.inf else math.inf)
     if not (0 < kl < math.inf and abs(kl / target - 1) <= ACCEPTED):
         raise InputError(
             f"perturbation.calibration_target: {cfg.calibration_target:g} x the engine-train KL {measured:.3g} is out "
-            f"of reach: the closest of {len(history)} noise scales (at most {MAX_SCALE:g} x layer-input RMS) gives "
+            f"of reach: the closest of {len(history)} noise scales (noise at most {MAX_SCALE:g} x each layer's input RMS) gives "
             f"KL {kl:.3g} for {target:.3g}; lower perturbation.calibration_target or set perturbation.init_std to a number")
-    set_sigmas(model, _sigmas(scale, rms))
+    set_sigmas(model, _sigmas(scale, sizes))
     return {"calibration/train_engine_kl": measured, "calibration/target_kl": target,
             "calibration/perturbed_kl": kl, "calibration/scale": scale, "calibration/evaluations": float(len(history)),
-            "calibration/fallback": 0.0}
+            "calibration/fallback": 0.0, "calibration/per_layer": float(divergence is not None)}
 
 
 def calibration_line(cal: dict, sigmas: dict, target: float, iteration: int) -> str:
@@ -229,7 +296,8 @@ def calibration_line(cal: dict, sigmas: dict, target: float, iteration: int) -> 
         return (f"WARNING: sigma not calibrated at iteration {iteration}: the engine-train KL is "
                 f"{cal['calibration/train_engine_kl']:.3g}, no mismatch to match; every sigma set to "
                 f"perturbation.init_std's default {FALLBACK_STD:g}")
-    return (f"sigma calibrated at iteration {iteration}: {cal['calibration/scale']:.3g} x layer-input RMS = "
+    size = "layer-input divergence engine-train" if cal.get("calibration/per_layer") else "layer-input RMS"
+    return (f"sigma calibrated at iteration {iteration}: {cal['calibration/scale']:.3g} x {size} = "
             f"{min(layers):.3g}..{max(layers):.3g}; KL(train || perturbed) {cal['calibration/perturbed_kl']:.3g} "
             f"for a target of {cal['calibration/target_kl']:.3g} ({target:g} x the engine-train KL "
             f"{cal['calibration/train_engine_kl']:.3g}), {int(cal['calibration/evaluations'])} perturbed passes")

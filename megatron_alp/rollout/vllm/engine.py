@@ -198,6 +198,7 @@ def _in_process_client(llm):
 class VLLMEngine(RolloutEngine):
     sync_methods = SYNC_METHODS
     partial_rollouts = True
+    captures_layers = True
 
     @classmethod
     def check_config(cls, cfg: RolloutConfig) -> None:

@@ -39,6 +39,14 @@ def _residual_stream(output) -> torch.Tensor:
     return output
 
 
+def _input_stream(args, kwargs) -> torch.Tensor:
+    """The residual stream entering a decoder layer, called ``layer(positions, hidden, residual)``:
+    their sum (the first layer gets the embeddings alone, ``residual`` None)."""
+    hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[1]
+    residual = kwargs["residual"] if "residual" in kwargs else (args[2] if len(args) > 2 else None)
+    return hidden if residual is None else hidden + residual
+
+
 def layer_tensor(packed) -> torch.Tensor:
     """A tensor of :meth:`WorkerExtension.captured_layers` back from its (shape, bytes)."""
     shape, data = packed
@@ -66,14 +74,19 @@ class WorkerExtension:
 
     def capture_layers(self) -> int:
         """Record what every decoder layer of this worker's model computes in the forward passes
-        until :meth:`captured_layers`: the residual stream after it and, where the layer has them
-        (``self_attn``, ``mlp``), its attention and MLP outputs. Forward hooks fire only in eager
+        until :meth:`captured_layers`: the residual stream entering it (``input``, what ALP perturbs) and
+        after it, and, where the layer has them (``self_attn``, ``mlp``), its attention and MLP outputs. Forward hooks fire only in eager
         mode (on GPUs ``rollout.enforce_eager``; the CPU engine is always eager). Returns the number
         of layers hooked."""
         model = self.model_runner.get_model()
         layers = [m for m in model.model.layers if hasattr(m, "self_attn") or hasattr(m, "mlp")]
-        self._layer_records = records = {"residual": [[] for _ in layers]}
+        self._layer_records = records = {"residual": [[] for _ in layers], "input": [[] for _ in layers]}
         hooks = []
+
+        def input_recorder(i):
+            def hook(module, args, kwargs):
+                records["input"][i].append(_input_stream(args, kwargs).detach().to("cpu", torch.float32, copy=True))
+            return hook
 
         def recorder(kind, i, take):
             # copied at once: vLLM's fused add-norm of the next layer overwrites these tensors in place
@@ -82,6 +95,7 @@ class WorkerExtension:
             return hook
 
         for i, layer in enumerate(layers):
+            hooks.append(layer.register_forward_pre_hook(input_recorder(i), with_kwargs=True))
             hooks.append(layer.register_forward_hook(recorder("residual", i, _residual_stream)))
             for kind, name in (("attention", "self_attn"), ("mlp", "mlp")):
                 if hasattr(layer, name):

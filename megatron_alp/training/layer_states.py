@@ -1,0 +1,119 @@
+"""The hidden states of Megatron's decoder layers on given token sequences, from plain forwards.
+
+Per decoder layer and kind: ``input``, the residual stream entering the layer (what ALP perturbs);
+``residual``, the stream after it; ``attention`` and ``mlp``, the branches it adds to the stream.
+The per-layer mismatch report compares them with the rollout engine's
+(:mod:`megatron_alp.diagnostics.layer_divergence`), and ``perturbation.calibration_mode:
+per_layer`` sizes each layer's sigma from the divergence of its ``input``
+(:mod:`megatron_alp.training.calibration`).
+
+Every rank of the job runs the same forwards: tensor-parallel layers all-reduce and expert layers
+exchange tokens with their expert-parallel group, so every rank takes part. Under sequence
+parallelism a layer sees 1/TP of the tokens; they are gathered over the tensor-parallel group (the
+sequence padded at its end to a multiple of TP first, which leaves the causal states of its own
+tokens unchanged). One pipeline stage only: the whole model runs in one forward.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core.utils import unwrap_model
+
+from megatron_alp.runtime.comm import comm_device
+
+KINDS = ("input", "residual", "attention", "mlp")
+
+
+def _first(output) -> torch.Tensor:
+    """A Megatron module's output: layers return ``(hidden, context)``, attention and MLP ``(out, bias)``
+    (a bias the layer adds with the residual, part of the branch as in the engine's projection)."""
+    if not isinstance(output, tuple):
+        return output
+    out, bias = output[0], output[1]
+    return out if bias is None else out + bias
+
+
+def _layers(model) -> list:
+    chunks = unwrap_model(model)
+    chunks = chunks if isinstance(chunks, list) else [chunks]
+    if len(chunks) != 1 or not chunks[0].pre_process or not chunks[0].post_process:
+        raise ValueError("decoder-layer states need the whole model in one forward (pipeline parallel size 1)")
+    return list(chunks[0].decoder.layers)
+
+
+@contextmanager
+def captured(model, kinds: tuple[str, ...] = KINDS) -> Iterator[dict[str, list[list[torch.Tensor]]]]:
+    """Record, per kind and decoder layer, the ``[s, b, h]`` tensors of the forward passes inside
+    (this rank's sequence shard under sequence parallelism), as float32 copies on the CPU."""
+    layers = _layers(model)
+    records = {kind: [[] for _ in layers] for kind in kinds}
+    hooks = []
+
+    def keep(kind, i, value):
+        records[kind][i].append(value.detach().to("cpu", torch.float32, copy=True))
+
+    def recorder(kind, i):
+        return lambda module, args, output: keep(kind, i, _first(output))
+
+    def input_recorder(i):
+        return lambda module, args, kwargs: keep("input", i, kwargs["hidden_states"] if "hidden_states" in kwargs
+                                                 else args[0])
+
+    for i, layer in enumerate(layers):
+        if "input" in kinds:
+            hooks.append(layer.register_forward_pre_hook(input_recorder(i), with_kwargs=True))
+        for kind, module in (("residual", layer), ("attention", layer.self_attention), ("mlp", layer.mlp)):
+            if kind in kinds:
+                hooks.append(module.register_forward_hook(recorder(kind, i)))
+    try:
+        yield records
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _whole_sequence(shard: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+    """``[s, 1, h]`` of all the sequence's tokens from this rank's ``shard`` of them."""
+    tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+    if not sequence_parallel or tp == 1:
+        return shard
+    group = ps.get_tensor_model_parallel_group()
+    moved = shard.to(comm_device(group))
+    parts = [torch.empty_like(moved) for _ in range(tp)]
+    torch.distributed.all_gather(parts, moved, group=group)
+    return torch.cat(parts).cpu()
+
+
+@torch.no_grad()
+def megatron_layer_states(model, sequences: list[list[int]], kinds: tuple[str, ...] = KINDS
+                          ) -> list[dict[str, torch.Tensor]]:
+    """Per sequence and kind ``[layers, tokens, hidden]`` float32 (CPU), from a plain causal
+    forward of the sequence alone (eval mode, no perturbation: noise is added only inside
+    :func:`~megatron_alp.training.perturbation.perturbed_step`). Every rank calls it with the same
+    ``sequences`` and gets the same states."""
+    layers = _layers(model)
+    config = layers[0].config
+    tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+    chunks = model if isinstance(model, list) else [model]
+    device = next(chunks[0].parameters()).device
+    was_training = [c.training for c in chunks]
+    for c in chunks:
+        c.eval()
+    states = []
+    try:
+        for sequence in sequences:
+            padded = list(sequence) + [0] * (-len(sequence) % tp if config.sequence_parallel else 0)
+            tokens = torch.tensor([padded], device=device)
+            with captured(model, kinds) as records:
+                chunks[0](tokens, torch.arange(len(padded), device=device).unsqueeze(0), None)
+            # [s, 1, h] per layer -> [layers, s, h]
+            states.append({kind: torch.stack([_whole_sequence(calls[0], config.sequence_parallel)[:len(sequence), 0]
+                                              for calls in per_layer]) for kind, per_layer in records.items()})
+    finally:
+        for c, mode in zip(chunks, was_training):
+            c.train(mode)
+    return states
