@@ -54,7 +54,7 @@ from megatron_alp.rollout import DistributedRollout
 from megatron_alp.rollout.base import get_engine
 from megatron_alp.runtime.console import held_warnings, say
 from megatron_alp.training.builder import build_gpt_model
-from megatron_alp.training.calibration import calibrate_sigma, layer_input_divergence, probe_sequences
+from megatron_alp.training.calibration import calibrate_sigma, input_divergence, probe_sequences, site_layers
 from megatron_alp.training.layer_states import megatron_layer_states
 from megatron_alp.training.micro_batch import Batching
 from megatron_alp.training.perturbation import sigma_stats
@@ -103,7 +103,8 @@ def measure(cfg: Config, model_dir: str, *, prompts: int, n: Optional[int], max_
         finally:
             engine.shutdown()
         layer_report = layer_divergence(engine_states, megatron_layer_states(model, sequences, KINDS)) if layers else None
-        divergence = layer_input_divergence(model, probe_states, probe) if probe else None
+        divergence = (input_divergence(probe_states, megatron_layer_states(model, probe, ("input",)), site_layers(model))
+                      if probe else None)
         del engine_states, probe_states  # [layers, tokens, hidden] per kind and sequence: not kept for the scoring
         batch = build_rl_batch(trajectories, torch.zeros(len(trajectories)), pad_id(tokenizer))
         logprob_pass = dict(batching=Batching.for_logprobs(cfg.trainer), temperature=s.temperature,

@@ -20,6 +20,7 @@ from pathlib import Path
 import yaml
 
 from megatron_alp.config import Config, InputError
+from megatron_alp.runtime.run_log import RunLogger
 
 
 def lock_run_dir(run_dir: Path):
@@ -105,3 +106,13 @@ def kill_during_save(ckpt_dir: Path) -> None:
     target = os.environ.get("MEGATRON_ALP_KILL_DURING_SAVE")
     if target and Path(ckpt_dir).name.startswith(f"iter_{int(target):07d}"):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def open_run_logger(cfg: Config, start_iteration: int) -> RunLogger:
+    """Rank 0's metrics log of the run (``metrics.jsonl`` cut after ``start_iteration``), with the
+    trackers and progress bar ``trainer.*`` ask for."""
+    t = cfg.trainer
+    settings = {k: getattr(t, k) for k in ("wandb_project", "wandb_mode", "mlflow_tracking_uri", "mlflow_experiment")}
+    return RunLogger(Path(t.output_dir), total_iterations=t.iterations, start_iteration=start_iteration,
+                     trackers=t.loggers, tracker_settings=settings, progress_bar=t.progress_bar,
+                     config=cfg.model_dump(mode="json"))

@@ -44,7 +44,7 @@ from megatron_alp.runtime.console import say
 from megatron_alp.runtime.parallel import destroy_distributed, init_distributed
 from megatron_alp.runtime.platform import has_gpu
 from megatron_alp.runtime.preemption import Preempted, StopRequests
-from megatron_alp.runtime.run_log import RunLogger, read_metrics
+from megatron_alp.runtime.run_log import read_metrics
 from megatron_alp.runtime.seeding import derive_seed, seed_everything
 from megatron_alp.tir.sandbox import SandboxExecutor
 from megatron_alp.trainer.base_model import base_model_dir, check_model_dir, make_base_model
@@ -67,6 +67,7 @@ from megatron_alp.trainer.run_dir import (
     claim_fresh,
     kill_during_save,
     lock_run_dir,
+    open_run_logger,
     prune_checkpoints,
     write_config,
 )
@@ -75,7 +76,7 @@ from megatron_alp.training.calibration import (
     calibration_due,
     calibration_line,
     layer_input_divergence,
-    probe_sequences,
+    layer_probe_due,
 )
 from megatron_alp.training.dist_checkpoint import (
     current_layout,
@@ -108,8 +109,7 @@ class RLTrainer:
             raise ValueError("RLTrainer takes a resolved config: megatron_alp.resolve.load_config or config_from_dict")
         self.cfg = cfg
         self.run_dir = Path(cfg.trainer.output_dir)
-        self.iteration = 0
-        self.step = 0
+        self.iteration = self.step = 0
         self.logger = self.rollout = self.executor = self.batches = self._validation = self._lock = None
         self._claimed = False
         self.phases = PhaseRunner()
@@ -164,12 +164,7 @@ class RLTrainer:
         self._start_rollout(resumed=self._maybe_resume())
         self.batches = build_batch_source(cfg, self.rollout, self.sampler, Scorer(cfg, self.reward_fn),
                                           tokenizer=self.tokenizer, executor=self.executor)
-        if self.rank == 0:
-            t = cfg.trainer
-            settings = {k: getattr(t, k) for k in ("wandb_project", "wandb_mode", "mlflow_tracking_uri", "mlflow_experiment")}
-            self.logger = RunLogger(self.run_dir, total_iterations=t.iterations, start_iteration=self.iteration,
-                                    trackers=t.loggers, tracker_settings=settings, progress_bar=t.progress_bar,
-                                    config=cfg.model_dump(mode="json"))
+        self.logger = open_run_logger(cfg, self.iteration) if self.rank == 0 else None
 
     def _model_dir(self) -> Path:
         """The HF directory the engine and the Megatron model start from (a tiny model is created,
@@ -291,7 +286,11 @@ class RLTrainer:
         local, sizes, balance = data_parallel_split(batch, cfg.trainer, self.args.transformer["hidden_size"],
                                                     ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
         m.update(balance)
-        divergence = self._layer_probe(batch, m)
+        divergence = None  # sigma per layer (perturbation.calibration_mode: per_layer) needs the engine awake
+        if layer_probe_due(cfg.perturbation, self.iteration):
+            self.phases.enter("layer_probe")
+            with timed(m, "layer_probe"):
+                divergence = layer_input_divergence(self.policy, self.rollout, batch)
         self.phases.enter("logprob")
         with peak_memory(m, "logprob"):
             self._logprob_passes(local, m, divergence)
@@ -317,22 +316,9 @@ class RLTrainer:
         dump_token_probs(self.cfg.trainer.token_prob_samples, local, self.run_dir, self.iteration)
         return out
 
-    def _layer_probe(self, batch, m: dict) -> Optional[list[float]]:
-        """At a calibration under ``perturbation.calibration_mode: per_layer``: the divergence of each
-        perturbed layer's input between the engine and Megatron on the batch's first sequences."""
-        pert = self.cfg.perturbation
-        if pert.calibration_mode != "per_layer" or not calibration_due(pert, self.iteration):
-            return None
-        self.phases.enter("layer_probe")
-        with timed(m, "layer_probe"):
-            sequences = probe_sequences([row[:n] for row, n in zip(batch.tokens.tolist(), batch.lengths.tolist())])
-            return self.rollout.broadcast(
-                layer_input_divergence(self.policy, self.rollout.layer_states(sequences), sequences))
-
     def _logprob_passes(self, local, m: dict, divergence: Optional[list[float]]) -> None:
         """The unperturbed old-policy pass (when the loss, the mismatch metrics or routing replay need
-        it), sigma calibration when due (sized by ``divergence`` per layer, from :meth:`_layer_probe`,
-        else by the layer-input RMS), and the reference pass (with a KL penalty)."""
+        it), sigma calibration when due (``divergence``: the layer probe's), and the reference pass."""
         cfg = self.cfg
         passes = dict(batching=Batching.for_logprobs(cfg.trainer), temperature=cfg.rollout.sampling.temperature,
                       pad_id=self.pad_id, fused=cfg.trainer.fused_linear_logprobs)

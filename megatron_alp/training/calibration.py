@@ -83,6 +83,11 @@ def calibration_due(cfg: PerturbationConfig, iteration: int) -> bool:
     return iteration == 0 or bool(cfg.calibrate_every and iteration % cfg.calibrate_every == 0)
 
 
+def layer_probe_due(cfg: PerturbationConfig, iteration: int) -> bool:
+    """Whether the iteration's calibration sizes sigma by each layer's input divergence first."""
+    return cfg.calibration_mode == "per_layer" and calibration_due(cfg, iteration)
+
+
 def _hosts(model) -> list:
     """The modules whose input a site perturbs (the layers, or the output layer)."""
     return [m for chunk in model_chunks(model) for m in chunk.modules() if hasattr(m, "alp_perturbation")]
@@ -207,13 +212,16 @@ def input_divergence(engine: list[dict[str, torch.Tensor]], train: list[dict[str
     return robust_rms(torch.stack(rows))
 
 
-def layer_input_divergence(model, engine: Optional[list[dict[str, torch.Tensor]]],
-                           sequences: list[list[int]]) -> Optional[list[float]]:
-    """Per perturbed site, :func:`input_divergence` of ``sequences`` between the engine's states of
-    them (:meth:`~megatron_alp.rollout.distributed.DistributedRollout.layer_states`, on rank 0) and
-    this model's. Every rank runs the model's forwards; the result is on rank 0 (None elsewhere)."""
+def layer_input_divergence(model, rollout, batch: RLBatch) -> list[float]:
+    """Per perturbed site, :func:`input_divergence` between the engine's and this model's states of
+    :func:`probe_sequences` of ``batch`` (the same on every rank). ``rollout``: the
+    :class:`~megatron_alp.rollout.distributed.DistributedRollout`, whose replica 0 shows its
+    layers on rank 0 (needs the engine awake and Megatron's weights resident: the trainer's
+    ``layer_probe`` phase). Every rank runs the model's forwards and gets rank 0's result."""
+    sequences = probe_sequences([row[:n] for row, n in zip(batch.tokens.tolist(), batch.lengths.tolist())])
+    engine = rollout.layer_states(sequences)
     train = megatron_layer_states(model, sequences, kinds=("input",))
-    return input_divergence(engine, train, site_layers(model)) if engine is not None else None
+    return rollout.broadcast(input_divergence(engine, train, site_layers(model)) if engine is not None else None)
 
 
 def _next_scale(history: list[tuple[float, float]], target: float) -> float:
