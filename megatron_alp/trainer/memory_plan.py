@@ -129,6 +129,9 @@ ENGINE_WORKSPACE_BYTES = 3 * GiB  # vLLM's profiled activation peak, sampler log
 # a sleeping engine: its CUDA context, and the CUDA-graph pool and NCCL buffers vLLM keeps through sleep
 # (not measured yet: the GPU self-test's phase ledger measures it)
 ENGINE_ASLEEP_BYTES = 2 * GiB
+# the rows of the plan, in the order a run meets them (each phase of the table counts in its PhaseSpec.plan_row)
+PLAN_ROWS = ("warm_start", "rollout", "engine_restart_resync", "training", "weight_sync", "sync_verification",
+             "layer_probe", "checkpoint_save")
 PROBE_TOKENS = 4 * 2 * (8 + 16)  # rollout.verify_sync's probe: 4 prompts x 2 samples x (8 + 16) tokens
 HEADROOM = 0.05  # of the GPU kept free: allocator fragmentation and the error of the estimates
 DEFAULT_GPU_MEM_GIB = 80.0  # H100 80GB
@@ -832,16 +835,13 @@ def _plan(cfg: Config, gpus: int, gpu_mem_gib: float, hf: dict, source: str,
         if spec.plan_row in rows:
             continue
         why = _phase_runs(cfg, spec)
-        rows[spec.plan_row] = (Phase(spec.name, spec.title, "", (), not_run=why) if why else
-                               _table_phase(cfg, arch, lay, spec, gpu_mem_gib, engine_weights, kv_cache))
-        phase = rows[spec.plan_row]
+        phase = rows[spec.plan_row] = (Phase(spec.name, spec.title, "", (), not_run=why) if why else
+                                       _table_phase(cfg, arch, lay, spec, gpu_mem_gib, engine_weights, kv_cache))
         if phase.total > usable:
             failing.append(spec.name)
             problems.append(f"{phase.title} needs {_gib(phase.total)} GiB on {phase.where}, over the "
                             f"{_gib(usable)} GiB usable")
-    order = ("warm_start", "rollout", "engine_restart_resync", "training", "weight_sync", "sync_verification",
-             "layer_probe", "checkpoint_save")
-    phases = tuple(rows[name] for name in order)
+    phases = tuple(rows[name] for name in PLAN_ROWS)
     kept = set(rollout.resident)
     offloaded = 0 if lay.separate else sum(i.nbytes for i in _megatron_state(cfg, lay, *_stage_params(arch, lay)[0])
                                            if i.key not in kept and i.key != "grads")  # gradients are dropped
