@@ -7,6 +7,7 @@ from helpers import read_results, torchrun
 from megatron_alp.models.tiny import make_tiny_model
 
 
+@pytest.mark.slow  # a kill/crash soak (minutes on 2 cores): pytest -m slow
 def test_two_replicas_sample_like_one_follow_syncs_survive_a_killed_engine_and_retire_a_dead_one(tmp_path):
     """DP=2 with one vLLM engine subprocess per rank: per-sample seeds give the trajectories of a
     single engine; after a training-side change and an in-memory sync in 1 MB buckets, both

@@ -106,6 +106,7 @@ def _check_follows_the_table(rows: list[dict], offloads: bool) -> None:
         seen_update = seen_update or phase == "policy_update"
 
 
+@pytest.mark.slow  # a kill/crash soak (minutes on 2 cores): pytest -m slow
 def test_the_trainer_follows_the_phase_table_through_an_engine_crash(tmp_path):
     """The CPU quickstart with the ledger on (the offload moves run on the CPU too), sync
     verification, validation, a checkpoint every iteration, and the engine (in its own process)

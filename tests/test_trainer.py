@@ -89,6 +89,7 @@ def test_the_terminal_shows_only_our_lines(quickstart_run):
     assert "Attempted to load weight" in log and "vllm" in log.lower() and "UserWarning" in log
 
 
+@pytest.mark.slow  # a kill/crash soak (minutes on 2 cores): pytest -m slow
 def test_tir_quickstart_runs_the_models_code(tmp_path):
     """A few iterations of the multi-turn quickstart (real vLLM, the sandbox, Seq-ALP), trained
     asynchronously (max_staleness=1): the replica leader runs its share's whole episodes (engine
@@ -127,6 +128,7 @@ def straight_run(tmp_path_factory) -> Path:
     return run
 
 
+@pytest.mark.slow  # a kill/crash soak (minutes on 2 cores): pytest -m slow
 def test_sigkill_during_save_resumes_to_the_same_metrics(straight_run, tmp_path):
     """Killed while writing the last checkpoint (iteration 3): the partial checkpoint never
     appears, and the run resumes from iteration 2 to the metrics of the run never killed."""
@@ -169,6 +171,7 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(straight_run, t
     assert all((newest / name).stat().st_size == entry[0] for name, entry in manifest.items())
 
 
+@pytest.mark.slow  # a kill/crash soak (minutes on 2 cores): pytest -m slow
 def test_a_preemption_notice_saves_and_the_requeued_run_resumes(straight_run, tmp_path):
     """SIGUSR1 to launch/torchrun_multinode.sh (as SLURM's --signal sends it): the ranks finish the
     iteration they are in, save, and the script exits 75 (requeue); the same command resumes from that
@@ -357,6 +360,7 @@ def test_overlong_punishment_enters_the_reward(dynamic_sampling_run, tmp_path):
     assert "dynamic_sampling/rounds" not in r
 
 
+@pytest.mark.slow  # a kill/crash soak (minutes on 2 cores): pytest -m slow
 def test_ctrl_c_is_one_line_and_a_finished_run_says_so(tmp_path):
     """Ctrl-C (SIGINT) during training: one line saying where the rerun resumes, no traceback, exit
     130. Rerunning a finished run says it has nothing left to train. The validation curve starts at

@@ -5,6 +5,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from helpers import running
 
 from megatron_alp.rollout.vllm.plugin import RECHECK_MS, SLEEP_WHEN_IDLE
@@ -77,6 +78,7 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+@pytest.mark.slow  # a kill/crash soak (minutes on 2 cores): pytest -m slow
 def test_engine_processes_end_when_the_rank_that_started_them_is_killed(tmp_path):
     """A rank (here a child process) starts our vLLM engine in its engine-core subprocess and is
     killed by SIGKILL, which it cannot handle: the engine core (whose parent the rank was) and its
