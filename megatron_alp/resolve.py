@@ -152,6 +152,15 @@ def _moe(cfg: Config) -> None:
                          "false turns off: remove that key, or choose moe.routing_replay r2 or none")
 
 
+def _lora(cfg: Config) -> None:
+    """Adapters exist on the model side (megatron_alp/models/lora.py) but the run does not carry them
+    yet: the weight sync, checkpoints and export would drop them, so a run would silently train and
+    serve something else. Refused until those parts (issue 27) land."""
+    if cfg.lora.enabled:
+        raise ValueError("lora.enabled: true is not supported by runs yet: the trainer's weight sync, checkpoints "
+                         "and export do not carry adapters (issue 27); remove lora.enabled")
+
+
 def _trackers(cfg: Config) -> None:
     """``trainer.loggers`` with what the older keys ask (``tensorboard: false``, a ``wandb_project``),
     each tracker's package installed."""
@@ -190,6 +199,7 @@ def resolve(cfg: Config, source: str = "<dict>") -> Config:
         _distributed_optimizer(cfg)
         cfg.loss.clip_low, cfg.loss.clip_high = get_policy_loss(cfg.loss.name).clip_range(cfg.loss)
         _moe(cfg)
+        _lora(cfg)
         _trackers(cfg)
         _tir_instruction(cfg)
     except ValueError as err:

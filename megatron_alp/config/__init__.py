@@ -4,6 +4,8 @@ against the registries is :mod:`megatron_alp.resolve`, which sits above them."""
 
 from megatron_alp.config.loading import apply_overrides, read_config, validate_schema
 from megatron_alp.config.schema import (
+    LORA_HF_TARGETS,
+    LORA_TARGETS,
     TIR_SYSTEM_PROMPT,
     AdvantageConfig,
     Config,
@@ -11,6 +13,7 @@ from megatron_alp.config.schema import (
     DataConfig,
     EvalConfig,
     InputError,
+    LoRAConfig,
     LossConfig,
     ModelConfig,
     MoEConfig,
@@ -27,8 +30,9 @@ from megatron_alp.config.schema import (
 )
 
 __all__ = [
-    "TIR_SYSTEM_PROMPT", "AdvantageConfig", "Config", "ConfigError", "DataConfig", "EvalConfig", "InputError",
-    "LossConfig", "ModelConfig", "MoEConfig", "OptimizerConfig", "ParallelConfig", "PerturbationConfig",
+    "LORA_HF_TARGETS", "LORA_TARGETS", "TIR_SYSTEM_PROMPT", "AdvantageConfig", "Config", "ConfigError", "DataConfig",
+    "EvalConfig", "InputError", "LoRAConfig", "LossConfig", "ModelConfig", "MoEConfig", "OptimizerConfig",
+    "ParallelConfig", "PerturbationConfig",
     "RewardConfig", "RolloutConfig", "SamplingConfig", "SandboxConfig", "TIRConfig", "TrainerConfig",
     "apply_overrides", "parse_layer_selection", "read_config", "validate_schema",
 ]

@@ -3,9 +3,10 @@
 Megatron marks each tensor-parallel parameter with ``tensor_model_parallel`` and its
 ``partition_dim``; shards are contiguous chunks along that dimension, with one exception: the
 fused gate/up projection of a gated MLP (``linear_fc1`` with ``gated_linear_unit``) holds
-``[gate_r; up_r]`` on rank r, so the full tensor ``[gate; up]`` is split per half. The query-key-value
-projection needs no special case: Megatron stores it grouped per query group, so TP shards are
-whole groups. Used by the converters, resharding and the weight export to rollout engines.
+``[gate_r; up_r]`` on rank r (and so does its LoRA B factor), so the full tensor ``[gate; up]`` is
+split per half. The query-key-value projection needs no special case: Megatron stores it grouped
+per query group, so TP shards are whole groups. Used by the converters, resharding and the weight
+export to rollout engines.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch
 
 
 def is_glu_fc1(name: str, gated: bool) -> bool:
-    return gated and (name.endswith("linear_fc1.weight") or name.endswith("linear_fc1.bias"))
+    """The fused gate/up projection's weight or bias, or its LoRA B factor (rows laid out like the weight's)."""
+    return gated and name.endswith(("linear_fc1.weight", "linear_fc1.bias", "linear_fc1_lora.B"))
 
 
 def shard(full: torch.Tensor, name: str, partition_dim: int | None, rank: int, size: int, gated: bool) -> torch.Tensor:

@@ -7,9 +7,10 @@ from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_alp.config import ConfigError, ModelConfig, MoEConfig, ParallelConfig, PerturbationConfig
+from megatron_alp.config import ConfigError, LoRAConfig, ModelConfig, MoEConfig, ParallelConfig, PerturbationConfig
 from megatron_alp.models.families import MegatronModelArgs, torch_dtype
 from megatron_alp.models.layer_spec import block_spec, resolve_spec
+from megatron_alp.models.lora import attach_lora
 from megatron_alp.models.output_layer import install_hidden_output
 from megatron_alp.models.routing import attach_routing
 from megatron_alp.runtime.platform import device, place_on_device
@@ -91,11 +92,13 @@ def build_gpt_model(
     parallel: ParallelConfig,
     perturbation: PerturbationConfig | None = None,
     moe: MoEConfig | None = None,
+    lora: LoRAConfig | None = None,
 ) -> GPTModel:
     """The GPTModel stage owned by this rank (pre/post-process by pipeline position), with ALP
     perturbation attached when ``perturbation`` is given and ``enabled`` (a loaded
     :class:`~megatron_alp.config.Config` has resolved it from the loss; a section built by hand must
-    say ``enabled=True``) and, for an MoE model, a routing tap on every router
+    say ``enabled=True``), LoRA adapters on a frozen base when ``lora`` is given and enabled
+    (:mod:`megatron_alp.models.lora`) and, for an MoE model, a routing tap on every router
     (:mod:`megatron_alp.models.routing`). Parallel state must be initialised (see
     :func:`megatron_alp.runtime.parallel.init_distributed`)."""
     check_parallel_layout(args, parallel)
@@ -120,4 +123,6 @@ def build_gpt_model(
     attach_routing(model)
     if perturbation is not None and perturbation.enabled:
         attach_perturbation(model, perturbation)
-    return place_on_device(model)  # after attaching: the ALP sigmas train on the GPU too
+    if lora is not None and lora.enabled:
+        attach_lora(model, lora)
+    return place_on_device(model)  # after attaching: the ALP sigmas and adapters train on the GPU too

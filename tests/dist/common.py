@@ -7,7 +7,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_alp.config import ModelConfig, ParallelConfig, PerturbationConfig
+from megatron_alp.config import LoRAConfig, ModelConfig, ParallelConfig, PerturbationConfig
 from megatron_alp.training.builder import build_gpt_model
 from megatron_alp.models.families import hf_to_megatron
 from megatron_alp.models.sharding import gather_tp, partition_dim_of, shard
@@ -27,10 +27,11 @@ def reinit(tp: int = 1, pp: int = 1, sp: bool = False, seed: int = 1, ep: int = 
     return par
 
 
-def build(family: str, par: ParallelConfig, pert: PerturbationConfig | None = None, **model_kw):
+def build(family: str, par: ParallelConfig, pert: PerturbationConfig | None = None, lora: LoRAConfig | None = None,
+          **model_kw):
     args = hf_to_megatron(tiny_hf_config(family))
     mcfg = ModelConfig(**{"tiny": family, "dtype": "float32", "layer_spec": "local", **model_kw})
-    return build_gpt_model(args, mcfg, par, pert)
+    return build_gpt_model(args, mcfg, par, pert, lora=lora)
 
 
 def global_name(name: str, model) -> str:
