@@ -343,6 +343,12 @@ class LoRAConfig(_Section):
         description="Seed of A's draw, mixed with each adapter's layer, module and expert: the same adapters "
         "under every parallel layout.",
     )
+    sync: Literal["merged", "adapter"] = Field(
+        "merged",
+        description="How the trained policy reaches the rollout engines: `merged` sends `W + (alpha / rank) B A` as "
+        "full weights (every engine and `rollout.sync_method`); `adapter` sends only A and B, which the engine "
+        "applies with its own LoRA support (vLLM only; the base weights are loaded once).",
+    )
 
     @field_validator("target_modules")
     @classmethod
