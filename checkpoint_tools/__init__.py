@@ -1,6 +1,6 @@
 """Hugging Face <-> Megatron-Core checkpoint conversion, resharding and logits verification.
 
-Command line: ``megatron-alp convert {hf-to-mcore,mcore-to-hf,reshard,quantize,verify}`` (see
+Command line: ``megatron-alp convert {hf-to-mcore,mcore-to-hf,mcore-to-peft,reshard,quantize,verify}`` (see
 :mod:`checkpoint_tools.cli`). Weight placement comes from
 :mod:`megatron_alp.models.weight_mapping`, the same table the trainer's HF loading and the rollout
 weight sync use; the export is :mod:`megatron_alp.training.export`. This module holds what the

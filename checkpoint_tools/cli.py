@@ -1,4 +1,4 @@
-"""``megatron-alp convert {hf-to-mcore,mcore-to-hf,reshard,quantize,verify}``.
+"""``megatron-alp convert {hf-to-mcore,mcore-to-hf,mcore-to-peft,reshard,quantize,verify}``.
 
 Each action runs on as many ranks as its layout needs (``--tp``, ``--pp``, ``--ep``). Started
 plainly, a command that needs more than one rank launches itself through
@@ -8,6 +8,8 @@ missing shard or a layout that does not divide the model fails at once with the 
 named. Outputs are written to ``<out>.tmp-XXXX`` and renamed when complete; a failed run leaves
 no ``<out>``. Checkpoints record their HF config and tokenizer (trainer checkpoints and converted
 ones alike), so the export needs no other input; ``--hf-ref`` supplies them for older checkpoints.
+A checkpoint trained with LoRA exports the merged model (``mcore-to-hf``) or its adapters alone as
+a PEFT adapter directory (``mcore-to-peft``), the adapters' config read from its metadata.
 Library output goes to ``<out>.convert.log`` (verify: ``<mcore>.verify.log``); the terminal gets
 errors and one line saying what was written where.
 
@@ -15,6 +17,7 @@ Examples::
 
     megatron-alp convert hf-to-mcore --hf Qwen2.5-7B --out ckpt/qwen7b --tp 2 --pp 1
     megatron-alp convert mcore-to-hf --mcore runs/x/checkpoints/iter_0000100 --out hf_out
+    megatron-alp convert mcore-to-peft --mcore runs/x/checkpoints/iter_0000100 --out adapter --base-model Qwen/Qwen3-8B
     megatron-alp convert reshard --mcore ckpt/qwen7b --out ckpt/qwen7b_pp2 --tp 1 --pp 2
     megatron-alp convert verify --hf Qwen2.5-7B --mcore ckpt/qwen7b --tp 2
     megatron-alp convert quantize --mcore runs/x/checkpoints/iter_0000100 --out qwen7b_fp8 --format fp8 \
@@ -69,6 +72,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="HF model directory whose config and tokenizer to use instead of the checkpoint's "
                    "(needed for checkpoints that record none)")
     p.add_argument("--max-shard-size", type=_size, default=_size("5GB"), help="largest safetensors file (default 5GB)")
+    _layout_args(p)
+    p = sub.add_parser("mcore-to-peft", help="LoRA checkpoint -> PEFT adapter directory (adapter_model.safetensors, "
+                       "adapter_config.json)")
+    p.add_argument("--mcore", required=True, help="Megatron checkpoint directory of a LoRA run")
+    p.add_argument("--out", required=True, help="adapter directory to create")
+    p.add_argument("--hf-ref", default=None,
+                   help="HF model directory whose config to use instead of the checkpoint's (needed for checkpoints "
+                   "that record none)")
+    p.add_argument("--base-model", default=None,
+                   help="the base model's name or path, recorded as the adapter's base_model_name_or_path")
     _layout_args(p)
     p = sub.add_parser("reshard", help="rewrite a Megatron checkpoint under another TP/PP/EP layout")
     p.add_argument("--mcore", required=True, help="Megatron checkpoint directory")
@@ -139,6 +152,10 @@ def check(args):
     margs = hf_to_megatron(_hf_config_of(args))
     if args.action == "quantize":
         check_quantize(args)
+    if args.action == "mcore-to-peft":
+        from megatron_alp.training.export import adapter_lora
+
+        adapter_lora(args.mcore)
     from megatron_alp.training.builder import check_parallel_layout  # imports Megatron: after the cheap checks
 
     parallel = checkpoint_tools.parallel_config(args.tp, args.pp, args.ep, moe="num_moe_experts" in margs.transformer)
@@ -156,6 +173,11 @@ def _execute(args, parallel) -> None:
 
         convert(args.mcore, args.out, parallel, hf_ref=args.hf_ref, layer_spec=args.layer_spec,
                 max_shard_bytes=args.max_shard_size)
+    elif args.action == "mcore-to-peft":
+        from checkpoint_tools.mcore_to_peft import convert
+
+        convert(args.mcore, args.out, parallel, hf_ref=args.hf_ref, layer_spec=args.layer_spec,
+                base_model=args.base_model)
     elif args.action == "reshard":
         from checkpoint_tools.reshard import reshard
 

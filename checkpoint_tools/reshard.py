@@ -2,8 +2,8 @@
 
 ``torch_dist`` checkpoints load under any layout already (the trainer can resume at another
 one); resharding rewrites the files as if saved by the new layout, for tools that expect it. The
-model weights, the ALP sigmas (each on its global layer), the extra state, the HF config and the
-tokenizer files are carried; optimizer state is not (Megatron reshards it on load from the
+model weights, the ALP sigmas (each on its global layer), the LoRA adapters, the extra state, the HF
+config and the tokenizer files are carried; optimizer state is not (Megatron reshards it on load from the
 original checkpoint).
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from megatron_alp.training.export import hf_source, weightless_model
+from megatron_alp.training.export import checkpoint_lora, hf_source, weightless_model
 
 
 def reshard(mcore_dir, out_dir, parallel, *, hf_ref: Optional[str] = None, layer_spec: str = "auto") -> None:
@@ -25,6 +25,7 @@ def reshard(mcore_dir, out_dir, parallel, *, hf_ref: Optional[str] = None, layer
     hf_config, hf_files = hf_source(mcore_dir, hf_ref, need_tokenizer=False)
     pert = PerturbationConfig(**meta["perturbation"]) if meta.get("perturbation") else None
     init_distributed(parallel)
-    model = weightless_model(hf_config, parallel, meta["dtype"], layer_spec, source=str(mcore_dir), perturbation=pert)
+    model = weightless_model(hf_config, parallel, meta["dtype"], layer_spec, source=str(mcore_dir), perturbation=pert,
+                             lora=checkpoint_lora(mcore_dir))
     extra = load_checkpoint(mcore_dir, model)
     save_checkpoint(out_dir, model, extra=extra, hf_config=hf_config, hf_dir=hf_files)

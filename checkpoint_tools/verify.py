@@ -2,7 +2,8 @@
 
 Both sides run in float32 (bf16 weights upcast exactly), so the difference measures the
 conversion and the two implementations' arithmetic, not storage precision. The Megatron side
-runs under any TP/PP/EP layout through Megatron's pipeline schedule.
+runs under any TP/PP/EP layout through Megatron's pipeline schedule. A LoRA checkpoint runs with
+its adapters, so it matches its merged HF export (``mcore-to-hf``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from megatron_alp.runtime.comm import comm_device
 from megatron_alp.runtime.console import say
 from megatron_alp.runtime.platform import device
-from megatron_alp.training.export import weightless_model
+from megatron_alp.training.export import checkpoint_lora, weightless_model
 
 DEFAULT_TOL = 1e-4
 
@@ -71,7 +72,8 @@ def verify(hf_dir, mcore_dir, parallel, *, layer_spec: str = "auto", tol: float 
     hf_config = load_hf_config(hf_dir)
     read_metadata(mcore_dir)
     init_distributed(parallel)
-    model = weightless_model(hf_config, parallel, "float32", layer_spec, source=str(mcore_dir))
+    model = weightless_model(hf_config, parallel, "float32", layer_spec, source=str(mcore_dir),
+                             lora=checkpoint_lora(mcore_dir))
     load_checkpoint(mcore_dir, model)
     tokens = fixed_batch(int(hf_config["vocab_size"]))
     logits = megatron_logits(model, tokens)

@@ -153,12 +153,20 @@ def _moe(cfg: Config) -> None:
 
 
 def _lora(cfg: Config) -> None:
-    """Adapters exist on the model side (megatron_alp/models/lora.py) but the run does not carry them
-    yet: the weight sync, checkpoints and export would drop them, so a run would silently train and
-    serve something else. Refused until those parts (issue 27) land."""
-    if cfg.lora.enabled:
-        raise ValueError("lora.enabled: true is not supported by runs yet: the trainer's weight sync, checkpoints "
-                         "and export do not carry adapters (issue 27); remove lora.enabled")
+    """What a LoRA run needs from the rest of the config: an engine that applies adapters itself for
+    ``lora.sync: adapter``, and an HF base (adapters train on the weights the engine also loads)."""
+    lora = cfg.lora
+    if not lora.enabled:
+        return
+    if cfg.model.load is not None:
+        raise ValueError(f"lora.enabled with model.load={cfg.model.load}: adapters train on a Hugging Face base model "
+                         "that the engine loads too; export that checkpoint with `megatron-alp convert` and set "
+                         "model.hf_path to the exported folder")
+    engine = ENGINES[cfg.rollout.engine]
+    if lora.sync == "adapter" and not engine.takes_adapters:
+        able = sorted(name for name, e in ENGINES.items() if e.takes_adapters)
+        raise ValueError(f"lora.sync: adapter with rollout.engine={cfg.rollout.engine}, which cannot apply LoRA "
+                         f"adapters itself (engines that can: {', '.join(able)}); use lora.sync: merged")
 
 
 def _trackers(cfg: Config) -> None:

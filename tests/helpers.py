@@ -27,6 +27,25 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 600, env: d
     return out
 
 
+def run_checks(script: str, out: Path) -> dict:
+    """Run a test file as a script in a fresh process (one rank, no inherited rendezvous: the CPU
+    shims it applies stay out of pytest's process); it records each check's result in ``out``."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, script, str(out)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0 and out.exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def passed(results: dict, name: str) -> dict:
+    """One check's record from :func:`run_checks`, failing the test with its traceback if it failed."""
+    r = results[name]
+    assert r["ok"], f"{name} failed:\n{r['error']}"
+    return r
+
+
 def read_results(path: Path) -> dict:
     return json.loads(Path(path).read_text())
 

@@ -10,13 +10,12 @@ in a JSON file) and each test below asserts its own check's result, as tests/tes
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import traceback
 from pathlib import Path
 
 import pytest
+from helpers import passed, run_checks
 
 from megatron_alp.config import ConfigError, LoRAConfig, validate_schema
 
@@ -26,26 +25,13 @@ ROOT = Path(__file__).resolve().parents[1]
 # ------------------------------------------------------------------------------------ pytest side
 @pytest.fixture(scope="module")
 def single_rank(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("lora") / "checks.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        env.pop(key, None)
-    proc = subprocess.run([sys.executable, __file__, str(out)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0 and out.exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
-    return json.loads(out.read_text())
-
-
-def _passed(results: dict, name: str) -> dict:
-    r = results[name]
-    assert r["ok"], f"{name} failed:\n{r['error']}"
-    return r
+    return run_checks(__file__, tmp_path_factory.mktemp("lora") / "checks.json")
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
 def test_zero_b_is_the_base_model(single_rank, family):
     """B starts at 0: the adapted model's logits equal the un-adapted model's bit for bit."""
-    r = _passed(single_rank, f"zero_b_{family}")
+    r = passed(single_rank, f"zero_b_{family}")
     assert r["adapters"] > 0, r
 
 
@@ -53,40 +39,40 @@ def test_zero_b_is_the_base_model(single_rank, family):
 def test_adapted_equals_merged_weights(single_rank, family):
     """With random B the output of one layer is W x + s B A x (plain torch), and the whole model's logits
     equal an un-adapted model loaded with the merged weights W + s B A (experts included for MoE)."""
-    r = _passed(single_rank, f"merged_{family}")
+    r = passed(single_rank, f"merged_{family}")
     assert r["layer_diff"] < 1e-5 and r["logit_diff"] < 1e-4 and r["logit_shift"] > 1e-3, r
 
 
 def test_only_adapters_and_sigmas_train(single_rank):
     """Every base parameter is frozen; adapters and ALP's sigmas train; a perturbed forward + backward
     gives gradients to exactly those, and a nonzero one to every A and B."""
-    r = _passed(single_rank, "trainable")
+    r = passed(single_rank, "trainable")
     assert r["trainable"] == r["adapter_params"] + r["sigmas"] and r["sigmas"] == 4, r
 
 
 def test_frozen_base_has_no_grad_buffer_or_optimizer_state(single_rank):
     """Under Megatron DDP and optimizer the gradient buffers and the parameter groups hold exactly the
     adapters and sigmas (sigma in its own group); a step moves them and leaves every base weight as it was."""
-    r = _passed(single_rank, "optimizer")
+    r = passed(single_rank, "optimizer")
     assert r["in_buffers"] == r["in_optimizer"] == r["trainable"] and r["sigma_groups"] == 1, r
 
 
 def test_full_recompute_trains_every_adapter(single_rank):
     """Full activation recomputation (reentrant checkpoints of one layer each) with a frozen embedding
     still gives every adapter, the first layer's included, the gradients of the plain backward."""
-    r = _passed(single_rank, "recompute")
+    r = passed(single_rank, "recompute")
     assert r["max_grad_diff"] < 1e-6, r
 
 
 def test_adapters_disabled_is_the_base_model(single_rank):
     """Inside adapters_disabled the logits are the base model's bit for bit; after it, the adapted ones."""
-    _passed(single_rank, "disabled")
+    passed(single_rank, "disabled")
 
 
 def test_model_side_refusals(single_rank):
     """A listed target the model lacks is refused naming lora.target_modules; the default list skips the
     dense MLP of an MoE model."""
-    r = _passed(single_rank, "model_refusals")
+    r = passed(single_rank, "model_refusals")
     assert r["moe_default_kinds"] == ["linear_proj", "linear_qkv"], r
 
 
@@ -115,11 +101,23 @@ def test_config_names_and_scaling():
     assert LoRAConfig(rank=8).scaling == 2.0 and LoRAConfig(rank=16, alpha=8).scaling == 0.5
 
 
-def test_runs_refuse_lora_until_the_trainer_carries_it():
+@pytest.mark.parametrize("extra,expected", [
+    ({"model": {"tiny": "qwen3", "load": "/ckpt/iter_0000010"}},
+     "lora.enabled with model.load=/ckpt/iter_0000010: adapters train on a Hugging Face base model"),
+    ({"lora": {"enabled": True, "sync": "adapter"}, "rollout": {"engine": "sglang"}},
+     "lora.sync: adapter with rollout.engine=sglang, which cannot apply LoRA adapters itself (engines that can: vllm)"),
+])
+def test_runs_refuse_what_cannot_carry_adapters(extra, expected):
+    """A run's config is refused in one line naming the key: adapters on a Megatron checkpoint's base
+    (the engine loads the HF base), adapter-only sync to an engine without LoRA support."""
     from megatron_alp.resolve import config_from_dict
 
-    with pytest.raises(ConfigError, match="lora.enabled: true is not supported by runs yet"):
-        config_from_dict({"model": {"tiny": "qwen3"}, "lora": {"enabled": True}})
+    data = {"model": {"tiny": "qwen3"}, "lora": {"enabled": True}}
+    for key, section in extra.items():
+        data[key] = {**data.get(key, {}), **section}
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(data)
+    assert expected in str(err.value), str(err.value)
 
 
 def test_lora_under_tp_sp_pp_ep(tmp_path):
@@ -132,6 +130,21 @@ def test_lora_under_tp_sp_pp_ep(tmp_path):
         torchrun("check_lora.py", family, str(tmp_path / f"{family}.json"))
         r = read_results(tmp_path / f"{family}.json")
         assert len(r["layouts"]) == 3 and r["max_logit_diff"] < 2e-5 and r["max_grad_rel_diff"] < 1e-4, r
+
+
+def test_lora_distributed_checkpoints(tmp_path):
+    """Adapters in Megatron distributed checkpoints: a save/resume takes the uninterrupted run's next step
+    bit for bit (dense with the distributed optimizer at DP=2, MoE with the plain one at EP=2); a
+    checkpoint loads at TP=2 (with and without SP), PP=2, EP=1 and expert TP=2 with exactly the saved
+    full adapters and sigmas, and the next step there is the reference's to float-sum order; saved at
+    TP=2+SP or PP=2 it loads back at DP=2 exactly; a checkpoint without adapters loads into a LoRA model
+    only with base_only=True (asserted in the script)."""
+    from helpers import read_results, torchrun
+
+    torchrun("check_lora_checkpoint.py", str(tmp_path), str(tmp_path / "result.json"))
+    r = read_results(tmp_path / "result.json")
+    assert len(r["exact_resume"]) == 2 and len(r["loaded"]) == 4 and r["base_only"], r
+    assert r["step_rel_diff"] < 1e-2 and "base_only=True" in r["refusal"], r
 
 
 # ---------------------------------------------------------------------- the subprocess (one rank)

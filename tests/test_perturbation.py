@@ -9,13 +9,12 @@ recorded in a JSON file) and each test below asserts its own check's result.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import traceback
 from pathlib import Path
 
 import pytest
+from helpers import passed, run_checks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,27 +22,14 @@ ROOT = Path(__file__).resolve().parents[1]
 # ------------------------------------------------------------------------------------ pytest side
 @pytest.fixture(scope="module")
 def single_rank(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("alp") / "checks.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        env.pop(key, None)
-    proc = subprocess.run([sys.executable, __file__, str(out)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0 and out.exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
-    return json.loads(out.read_text())
-
-
-def _passed(results: dict, name: str) -> dict:
-    r = results[name]
-    assert r["ok"], f"{name} failed:\n{r['error']}"
-    return r
+    return run_checks(__file__, tmp_path_factory.mktemp("alp") / "checks.json")
 
 
 def test_noise_statistics(single_rank):
     """eps ~ N(0, 1) per element: mean 0, std 1 (noise std = sigma per site, per dimension for a vector
     sigma), Gaussian mass within one sigma; uncorrelated between neighbouring positions, batch rows and
     layers; the regenerating path records the same noise bit for bit."""
-    r = _passed(single_rank, "noise_statistics")
+    r = passed(single_rank, "noise_statistics")
     assert r["worst_std_ratio_error"] < 0.02 and r["worst_corr"] < 0.03, r
 
 
@@ -52,7 +38,7 @@ def test_noise_statistics(single_rank):
 def test_site_gradients_bit_identical(single_rank, dtype, shape):
     """One site on a synthetic activation, contiguous and transposed inputs and upstream gradients:
     output, hidden gradient and sigma gradient equal the saved-eps autograd path bit for bit."""
-    r = _passed(single_rank, f"site_{dtype}_{shape}")
+    r = passed(single_rank, f"site_{dtype}_{shape}")
     assert r["cases"] == 4, r
 
 
@@ -61,7 +47,7 @@ def test_site_gradients_bit_identical(single_rank, dtype, shape):
 def test_model_gradients_bit_identical(single_rank, dtype, shape):
     """A whole tiny GPT (4 perturbed layers) forward + backward: logits, loss, recorded noise, the
     sigma gradients and every other parameter's gradient equal the saved-eps path bit for bit."""
-    r = _passed(single_rank, f"model_{dtype}_{shape}")
+    r = passed(single_rank, f"model_{dtype}_{shape}")
     assert r["params_compared"] > 10 and r["sigma_grads_nonzero"], r
 
 
@@ -69,7 +55,7 @@ def test_model_gradients_bit_identical(single_rank, dtype, shape):
 def test_recompute_regenerates_exactly(single_rank, recompute):
     """Megatron activation recomputation re-runs the perturbed forward in the backward: the
     regenerating path still equals the saved-eps path bit for bit and replays each layer's noise."""
-    r = _passed(single_rank, f"recompute_{recompute}")
+    r = passed(single_rank, f"recompute_{recompute}")
     assert r["params_compared"] > 10, r
 
 
@@ -77,7 +63,7 @@ def test_no_activation_sized_tensor_saved(single_rank):
     """saved_tensors_hooks over the model's forward: with regeneration ALP adds only the sigma-sized
     exp result per site (and keeps a generator state of a few KiB), while the saved-eps path adds
     one float32 activation per perturbed layer."""
-    r = _passed(single_rank, "saved_bytes")
+    r = passed(single_rank, "saved_bytes")
     assert r["regen_extra_bytes"] <= r["sites"] * r["sigma_bytes"], r
     assert r["saved_extra_bytes"] >= r["sites"] * r["activation_fp32_bytes"], r
     assert r["max_ctx_state_bytes"] <= 8192 and r["regen_nodes"] == r["sites"], r
@@ -87,7 +73,7 @@ def test_backward_leaves_rng_streams_untouched(single_rank):
     """The backward's redraw uses a private generator: the default generator and every tracker
     stream are exactly as the forward left them, with and without recomputation, and end where the
     saved-eps path ends."""
-    _passed(single_rank, "rng_untouched")
+    passed(single_rank, "rng_untouched")
 
 
 def test_perturbation_under_tp_sp_pp_and_recompute(tmp_path):

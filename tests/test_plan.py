@@ -122,6 +122,25 @@ def test_qwen3_30b_a3b_on_two_nodes_by_hand():
     assert not any("max_tokens_per_micro_batch" in a or "micro_batch_size" in a for a in one_node.advice)
 
 
+def test_lora_counts_the_frozen_base_and_the_adapters_by_hand():
+    """Qwen2.5-32B with rank-64 adapters on every attention and MLP linear, TP4 x DP2: the base weights
+    stay, their gradients, optimizer state and reference copy go, and the adapters' come instead
+    (column-parallel layers: A whole, B split over TP; row-parallel: A split, B whole)."""
+    h, heads, kv_heads, d, ffn, layers = 5120, 40, 8, 128, 27648, 64
+    r, tp, dp = 64, 4, 2
+    q, kv = heads * d, kv_heads * d
+    per_layer = (r * h + r * (q + 2 * kv) // tp) + (r * q // tp + r * h) + (r * h + r * 2 * ffn // tp) + (
+        r * ffn // tp + r * h)  # qkv, o, gate/up, down
+    adapters = layers * per_layer
+    lora = memory_plan(config("qwen2.5-32b_lora_seq_alp.yaml"), 8, H100)
+    full = memory_plan(config("qwen2.5-32b_lora_seq_alp.yaml", "lora.enabled=false"), 8, H100)
+    t, f = items(lora.phase("training")), items(full.phase("training"))
+    assert t["weights"] == f["weights"] + adapters * 2
+    assert t["grads"] == adapters * 4 and t["optimizer"] == 12 * -(-adapters // dp)
+    assert "reference" not in t and f["reference"] == f["weights"]
+    assert lora.fits and not full.fits
+
+
 def test_pipeline_stages_count_the_fullest():
     """Qwen2.5-32B, TP4 + SP x PP2, one rollout replica. The first stage holds the embedding, two
     micro-batches in flight and the sleeping engine; the last holds the output layer and what turns

@@ -19,6 +19,7 @@ from megatron_alp.runtime.parallel import free_port
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart_cpu.yaml"
 QUICKSTART_TIR = ROOT / "configs" / "quickstart_tir_cpu.yaml"
+QUICKSTART_LORA = ROOT / "configs" / "quickstart_lora_cpu.yaml"
 
 # A CI-sized run: fewer, smaller iterations of the quickstart.
 SMALL = [
@@ -727,16 +728,17 @@ def test_async_quickstart_reward_rises(quickstart_run, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", [(), (*SEPARATE, "trainer.max_staleness=1")], ids=["sync", "async"])
-def test_quickstart_reward_rises_and_generalizes_for_several_seeds(tmp_path, mode):
-    """The whole CPU quickstart, as the README runs it (and asynchronously), for seeds 1-3: the
-    last-10 mean reward is at least 1.5x the first-10 mean, and the validation average@k on held-out
-    problems after RL beats the warm-started base model's (scored by `megatron-alp eval` on
-    RUN_DIR/base_model) by 0.1."""
+@pytest.mark.parametrize("config,mode", [(QUICKSTART, ()), (QUICKSTART, (*SEPARATE, "trainer.max_staleness=1")),
+                                         (QUICKSTART_LORA, ())], ids=["sync", "async", "lora"])
+def test_quickstart_reward_rises_and_generalizes_for_several_seeds(tmp_path, config, mode):
+    """The whole CPU quickstart, as the README runs it (and asynchronously, and its LoRA variant), for
+    seeds 1-3: the last-10 mean reward is at least 1.5x the first-10 mean, and the validation average@k
+    on held-out problems after RL beats the warm-started base model's (scored by `megatron-alp eval`
+    on RUN_DIR/base_model) by 0.1."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     for seed in (1, 2, 3):
         run = tmp_path / f"seed{seed}"
-        common = [str(QUICKSTART), f"trainer.output_dir={run}", f"trainer.seed={seed}"]
+        common = [str(config), f"trainer.output_dir={run}", f"trainer.seed={seed}"]
         for cmd in (["train", *common, "trainer.progress_bar=false", *mode],
                     ["eval", *common, "--out", str(run / "base.json")]):
             proc = subprocess.run([sys.executable, "-m", "megatron_alp.cli", *cmd], cwd=ROOT, env=env,

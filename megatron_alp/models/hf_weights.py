@@ -4,9 +4,11 @@
 a time: only the tensors this rank needs are read, and a shard file is closed (unmapped) as soon
 as no remaining parameter needs it, so memory stays at the model stage plus one parameter's
 inputs. :func:`iter_hf_weights` is the inverse, used by the HF export and by the rollout engine's
-weight sync: a collective that gathers each tensor across TP, EP and PP in bounded buckets and
-yields HF-named full tensors, on every rank or only on the ranks that ask for them (the engines'
-leaders). Both place weights by :mod:`megatron_alp.models.weight_mapping`.
+weight sync: a collective (:func:`gather_full`, which the PEFT adapter export shares) that gathers
+each tensor across TP, EP and PP in bounded buckets and yields HF-named full tensors, on every rank
+or only on the ranks that ask for them (the engines' leaders). A model with LoRA adapters exports
+its merged weights ``W + s B A``, never the adapters themselves. Both place weights by
+:mod:`megatron_alp.models.weight_mapping`.
 :func:`write_hf_folder` writes such a stream as an HF directory, for the export and for the
 rollout engines that reload from disk alike. Megatron-Core is imported inside the functions that
 use it: the rollout engines (and so config validation) import this module.
@@ -28,7 +30,7 @@ import torch.distributed as dist
 
 from megatron_alp.models.families import hf_to_megatron, load_hf_config
 from megatron_alp.models.sharding import gather_tp, partition_dim_of, shard
-from megatron_alp.models.weight_mapping import Match, WeightMapping, is_sigma
+from megatron_alp.models.weight_mapping import Match, WeightMapping, is_adapter, is_sigma
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -142,25 +144,17 @@ def global_name(name: str, model) -> str:
     return name
 
 
-class _Param:
-    """One local parameter with its rule and how it is split over tensor parallelism."""
+class LocalTensor:
+    """One tensor of this rank's stage to export whole: how it is split over tensor parallelism (the
+    expert-TP group for routed experts) and what to send. A base weight with a LoRA adapter beside it
+    sends the merged ``W + s B A``, so every full-weight export is the merged model."""
 
-    def __init__(self, name: str, param: torch.Tensor, match: Match):
+    def __init__(self, name: str, param: torch.Tensor, partition_dim: Optional[int], expert: bool, adapter=None):
         from megatron.core import parallel_state as ps
 
-        self.name, self.param, self.match = name, param, match
-        self.expert = match.rule.is_expert
-        self.partition_dim = match.rule.tp_dim
-        recorded = partition_dim_of(param) if hasattr(param, "partition_dim") else self.partition_dim
-        # Experts: with EP > 1 or expert TP > 1 Megatron shards them itself and hides the split from
-        # Transformer Engine, whose layers then stamp a meaningless `partition_dim=0` on every weight;
-        # the rule is the truth there. Everywhere else a disagreement means a wrong mapping.
-        if recorded != self.partition_dim and not self.expert:
-            raise ValueError(
-                f"{name}: Megatron splits it over tensor parallelism along dim {recorded}, the weight "
-                f"mapping says {self.partition_dim}"
-            )
-        if self.expert:
+        self.name, self.param, self.partition_dim, self.expert = name, param, partition_dim, expert
+        self.adapter = adapter
+        if expert:
             self.group = ps.get_expert_tensor_parallel_group()
             self.tp_rank = ps.get_expert_tensor_parallel_rank()
             self.tp_size = ps.get_expert_tensor_parallel_world_size()
@@ -176,20 +170,50 @@ class _Param:
             shape[self.partition_dim] *= self.tp_size
         return tuple(shape)
 
+    def value(self) -> torch.Tensor:
+        """This rank's shard to send: the parameter, or the merged weight of an adapted layer."""
+        if self.adapter is None:
+            return self.param.detach()
+        from megatron_alp.models.lora import merged_weight
+
+        return merged_weight(self.adapter)
+
+
+class _Param(LocalTensor):
+    """One local parameter with its mapping rule, which says how it is split over tensor parallelism."""
+
+    def __init__(self, name: str, param: torch.Tensor, match: Match, adapter=None):
+        self.match = match
+        partition_dim = match.rule.tp_dim
+        recorded = partition_dim_of(param) if hasattr(param, "partition_dim") else partition_dim
+        # Experts: with EP > 1 or expert TP > 1 Megatron shards them itself and hides the split from
+        # Transformer Engine, whose layers then stamp a meaningless `partition_dim=0` on every weight;
+        # the rule is the truth there. Everywhere else a disagreement means a wrong mapping.
+        if recorded != partition_dim and not match.rule.is_expert:
+            raise ValueError(
+                f"{name}: Megatron splits it over tensor parallelism along dim {recorded}, the weight "
+                f"mapping says {partition_dim}"
+            )
+        super().__init__(name, param, partition_dim, match.rule.is_expert, adapter)
+
 
 def local_params(model, mapping: WeightMapping) -> list[_Param]:
-    """This rank's parameters (ALP sigmas excluded), each resolved to its mapping rule."""
+    """This rank's parameters (ALP sigmas and LoRA adapters excluded), each resolved to its mapping
+    rule; an adapted weight carries its adapter (see :meth:`LocalTensor.value`)."""
+    from megatron_alp.models.lora import adapters_by_weight
+
     out = []
     tied_output = model.share_embeddings_and_output_weights
+    adapted = adapters_by_weight(model)
     for name, p in model.named_parameters():
-        if is_sigma(name):
+        if is_sigma(name) or is_adapter(name):
             continue
         if name == "output_layer.weight" and tied_output:
             # a later pipeline stage's copy of the tied embedding
             match = mapping.match("embedding.word_embeddings.weight")
         else:
             match = mapping.match(global_name(name, model))
-        out.append(_Param(name, p, match))
+        out.append(_Param(name, p, match, adapted.get(name)))
     return out
 
 
@@ -283,20 +307,22 @@ def load_hf_weights(model, hf_dir) -> None:
 # ----------------------------------------------------------------------------------- export
 
 
-class _ExportPlan:
+class ExportPlan:
     """Who owns which full tensor: (pipeline stage, expert-parallel rank or None), plus shapes,
-    and the (pipeline stage, expert-parallel rank) of every global rank."""
+    and the (pipeline stage, expert-parallel rank) of every global rank. ``local`` holds this
+    rank's tensors by a name that is the same on every rank; ``order`` is the export order, and a
+    name no rank holds is an error when ``required`` (the model's weights), else skipped (adapters,
+    which only the target layers have)."""
 
-    def __init__(self, model, mapping: WeightMapping):
+    def __init__(self, model, local: dict[str, LocalTensor], order: Iterable[str], *, required: bool = True):
         from megatron.core import parallel_state as ps
 
-        self.mapping = mapping
-        self.local = {p.match.name: p for p in local_params(model, mapping) if not _tied_copy(p)}
+        self.local = local
         pp_rank = ps.get_pipeline_model_parallel_rank()
         ep_rank = ps.get_expert_model_parallel_rank() if model.config.num_moe_experts else 0
         mine = {
             name: (pp_rank, ep_rank if p.expert else None, p.full_shape, str(p.param.dtype).removeprefix("torch."))
-            for name, p in self.local.items()
+            for name, p in local.items()
         }
         parts: list = [None] * dist.get_world_size()
         dist.all_gather_object(parts, ((pp_rank, ep_rank), mine))
@@ -305,11 +331,13 @@ class _ExportPlan:
         for _, part in parts:
             owners.update(part)
         self.entries = []
-        for m in mapping.matches():
-            if m.name not in owners:
-                raise RuntimeError(f"no rank holds Megatron parameter {m.name}; cannot export the model")
-            stage, ep_owner, shape, dtype = owners[m.name]
-            self.entries.append((m, stage, ep_owner, shape, getattr(torch, dtype)))
+        for name in order:
+            if name not in owners:
+                if required:
+                    raise RuntimeError(f"no rank holds Megatron parameter {name}; cannot export the model")
+                continue
+            stage, ep_owner, shape, dtype = owners[name]
+            self.entries.append((name, stage, ep_owner, shape, getattr(torch, dtype)))
 
     def buckets(self, bucket_bytes: int):
         """Consecutive entries with one owner and dtype, at most ``bucket_bytes`` (or one tensor)."""
@@ -353,24 +381,41 @@ def iter_hf_weights(model, bucket_bytes: int = 512 << 20, receivers: Optional[It
     """Yield ``(hf_name, full tensor)`` for the whole model, in HF file order, on every rank of
     ``receivers`` (global ranks, the same on every rank; None: every rank).
 
-    Collective: every rank of the job must iterate it to the end. Tensors are gathered across TP
-    (all-gather; the fused QKV and gate/up layouts are undone by the mapping) in buckets of at most
-    ``bucket_bytes``. With ``receivers=None`` each bucket is then broadcast across EP (from the
-    expert's owner) and PP (from the owning stage). Otherwise only the receivers get it, point to
-    point from one owner each (:meth:`_ExportPlan.sources`): a rank that neither owns nor receives
-    a bucket skips it, so the ranks that feed no engine move only their TP all-gather share instead
-    of the whole model. Yielded tensors may be views into their bucket's buffer, which is freshly
-    allocated per bucket and never overwritten: keeping one keeps its bucket alive. ALP sigmas are
-    never yielded.
+    Collective: every rank of the job must iterate it to the end (see :func:`gather_full`; the
+    fused QKV and gate/up layouts are undone by the mapping). ALP sigmas and LoRA factors are never
+    yielded: a layer with a LoRA adapter yields its merged weight ``W + s B A``, so the stream is the
+    merged model.
     """
-    from megatron.core import parallel_state as ps
     from megatron.core.utils import unwrap_model
 
     model = unwrap_model(model)
-    plan = getattr(model, "_hf_export_plan", None)
-    if plan is None:
-        plan = _ExportPlan(model, WeightMapping.from_model(model))
-        model._hf_export_plan = plan
+    cached = getattr(model, "_hf_export_plan", None)
+    if cached is None:
+        mapping = WeightMapping.from_model(model)
+        local = {p.match.name: p for p in local_params(model, mapping) if not _tied_copy(p)}
+        matches = {m.name: m for m in mapping.matches()}
+        cached = model._hf_export_plan = (ExportPlan(model, local, matches), mapping, matches)
+    plan, mapping, matches = cached
+    for name, full in gather_full(model, plan, bucket_bytes, receivers):
+        yield from mapping.to_hf(matches[name], full)
+
+
+def gather_full(model, plan: ExportPlan, bucket_bytes: int, receivers: Optional[Iterable[int]] = None
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, full tensor)`` for every entry of ``plan``, in its order, on every rank of
+    ``receivers`` (global ranks, the same on every rank; None: every rank).
+
+    Collective: every rank of the job must iterate it to the end. Tensors (:meth:`LocalTensor.value`)
+    are gathered across TP (all-gather) in buckets of at most ``bucket_bytes``. With
+    ``receivers=None`` each bucket is then broadcast across EP (from the expert's owner) and PP (from
+    the owning stage). Otherwise only the receivers get it, point to point from one owner each
+    (:meth:`ExportPlan.sources`): a rank that neither owns nor receives a bucket skips it, so the
+    ranks that feed no engine move only their TP all-gather share instead of the whole model.
+    Yielded tensors may be views into their bucket's buffer, which is freshly allocated per bucket
+    and never overwritten: keeping one keeps its bucket alive.
+    """
+    from megatron.core import parallel_state as ps
+
     rank = dist.get_rank()
     wanted = None if receivers is None else sorted(set(receivers))
     if wanted and not 0 <= wanted[0] <= wanted[-1] < dist.get_world_size():
@@ -392,9 +437,9 @@ def iter_hf_weights(model, bucket_bytes: int = 512 << 20, receivers: Optional[It
             flat = torch.empty(sum(sizes), dtype=dtype, device=device)
             if owner:
                 offset = 0
-                for (m, *_), n in zip(bucket, sizes):
-                    p = plan.local[m.name]
-                    full = gather_tp(p.param.detach(), m.name, p.partition_dim, p.group, gated=True)
+                for (name, *_), n in zip(bucket, sizes):
+                    p = plan.local[name]
+                    full = gather_tp(p.value(), name, p.partition_dim, p.group, gated=True)
                     flat[offset: offset + n].copy_(full.reshape(-1))
                     offset += n
             if wanted is None:
@@ -408,8 +453,8 @@ def iter_hf_weights(model, bucket_bytes: int = 512 << 20, receivers: Optional[It
                 _send_to_receivers(flat, rank, sources)
                 if rank not in wanted:
                     continue
-            for (m, _, _, shape, _), piece in zip(bucket, torch.split(flat, sizes)):
-                yield from plan.mapping.to_hf(m, piece.view(shape))
+            for (name, _, _, shape, _), piece in zip(bucket, torch.split(flat, sizes)):
+                yield name, piece.view(shape)
             del flat
 
 
@@ -455,7 +500,7 @@ def copy_hf_side_files(src, dst) -> None:
             shutil.copy2(f, dst / f.name)
 
 
-def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     """Write a safetensors file tensor by tensor (``safetensors.torch.save_file`` first copies
     every tensor into one bytes object, doubling a shard's memory, and refuses views that share
     a buffer, which the exporter's buckets are)."""
@@ -500,7 +545,7 @@ def write_hf_folder(
 
     def flush() -> None:
         nonlocal pending, pending_bytes
-        _write_safetensors(tmp / f"part-{len(shards):05d}.safetensors", pending)
+        write_safetensors(tmp / f"part-{len(shards):05d}.safetensors", pending)
         shards.append(list(pending))
         pending, pending_bytes = {}, 0
 

@@ -36,6 +36,19 @@ activation ``u = A x`` rather than the hidden one:
 A is drawn from a private generator seeded by (``lora.seed``, global layer, module, global expert) on
 the full shape and then sharded, so every parallel layout starts from the same adapters.
 
+Checkpoints. :meth:`LoRAAdapter.sharded_state_dict` gives Megatron's distributed checkpoint A and B as
+ShardedTensors cut like the layer's weight (``make_sharded_tensors_for_checkpoint``, over the layer's
+TP group: B on dim 0 for a column-parallel layer, A on dim 1 for a row-parallel one, the other factor
+replicated with Megatron's replica ids), and ``linear_fc1_lora.B`` of a gated MLP goes through
+``apply_swiglu_sharded_factory`` like ``linear_fc1.weight``, so its [gate; up] rows reshard over TP.
+The parents pass the rest, read from Megatron-Core 0.16: ``MLP.sharded_state_dict`` calls every child's
+``sharded_state_dict`` (the swiglu factory only for ``linear_fc1`` itself), ``SelfAttention`` and
+``TransformerLayer`` recurse through ``sharded_state_dict_default``, ``TransformerBlock`` adds the
+layer offset (pipeline stages), and ``SequentialMLP`` the global expert offset and the
+expert-data-parallel replica id. So adapters save and load at any TP/SP/PP/EP layout, like the base
+weights (``training/dist_checkpoint.py``; ``load_checkpoint(..., base_only=True)`` starts adapters from
+their initial values on a checkpoint without them).
+
 Transformer Engine: ``TELayerNormColumnParallelLinear`` fuses the input norm into ``linear_qkv`` and
 ``linear_fc1``, and the branch must see the normalised input. The layer is set to return its norm
 output (``return_layernorm_output``; the local shard under sequence parallelism, as here), which the
@@ -77,6 +90,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
+from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 from megatron.core.utils import unwrap_model
 
 from megatron_alp.config import ConfigError, LoRAConfig
@@ -97,15 +112,16 @@ class _Layout:
     size: int
     rank: int
     sequence_parallel: bool
+    gated: bool  # fc1 of a gated MLP: this rank's rows are [gate shard; up shard], as the layer's weight
 
 
-def _layout(config, column: bool, expert: bool) -> _Layout:
+def _layout(config, column: bool, expert: bool, gated: bool) -> _Layout:
     if expert:
         return _Layout(column, True, ps.get_expert_tensor_parallel_group(),
-                       ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank(), False)
+                       ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank(), False, gated)
     size = ps.get_tensor_model_parallel_world_size()
     return _Layout(column, False, ps.get_tensor_model_parallel_group(), size,
-                   ps.get_tensor_model_parallel_rank(), bool(config.sequence_parallel) and size > 1)
+                   ps.get_tensor_model_parallel_rank(), bool(config.sequence_parallel) and size > 1, gated)
 
 
 def _draw_a(cfg: LoRAConfig, in_features: int, seed: int) -> torch.Tensor:
@@ -183,9 +199,18 @@ class LoRAAdapter(torch.nn.Module):
         return F.linear(u * self.scaling, b)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        """Megatron's distributed checkpoint asks every module; adapters are not checkpointed yet, and
-        saving them as replicated tensors (the default) would silently keep one TP shard of B."""
-        raise NotImplementedError(f"{prefix}: distributed checkpoints of LoRA adapters are not supported yet")
+        """A and B as Megatron ShardedTensors cut like the layer's weight (see the module docstring,
+        Checkpoints), so they load under any TP/PP/EP layout."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        lay = self.layout
+        sd = make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix, {"B": 0} if lay.column else {"A": 1},
+            sharded_offsets, tp_group=lay.group, dp_cp_group=metadata["dp_cp_group"])
+        if lay.gated:  # as MLP.sharded_state_dict does for linear_fc1.weight
+            key = f"{prefix}B"
+            sd[key] = apply_swiglu_sharded_factory(sd[key], sharded_offsets,
+                                                   metadata.get("singleton_local_shards", False))
+        return sd
 
     def extra_repr(self) -> str:
         kind = ("column" if self.layout.column else "row") + (", expert" if self.layout.expert else "")
@@ -280,6 +305,8 @@ def attach_lora(model: torch.nn.Module, cfg: LoRAConfig) -> list[LoRAAdapter]:
         raise RuntimeError("LoRA adapters are already attached to this model")
     config = model.config
     targets = _check_targets(config, cfg)
+    # what checkpoints record (lora_metadata): the targets this model has, so a rebuild adapts the same
+    model.lora_config = cfg.model_copy(update={"target_modules": [t for t in cfg.target_modules if t in targets]})
     found = [(layer.layer_number - 1, *t) for layer in model.decoder.layers for t in _targets_of(layer, targets)]
     for p in model.parameters():
         if not getattr(p, "is_alp_sigma", False):
@@ -294,7 +321,8 @@ def attach_lora(model: torch.nn.Module, cfg: LoRAConfig) -> list[LoRAAdapter]:
         if fused_norm:
             linear.return_layernorm_output = True
             linear.return_layernorm_output_gathered = False
-        adapter = LoRAAdapter(linear, _layout(config, column, expert >= 0), cfg,
+        gated = leaf == "linear_fc1" and bool(config.gated_linear_unit)
+        adapter = LoRAAdapter(linear, _layout(config, column, expert >= 0, gated), cfg,
                               derive_seed(cfg.seed, index, key, expert), config.params_dtype)
         parent.add_module(leaf + SUFFIX, adapter)
         linear.register_forward_hook(functools.partial(_hook, adapter, fused_norm), with_kwargs=True)
@@ -341,9 +369,24 @@ def lora_state(model) -> dict[str, torch.nn.Parameter]:
 def merged_weights(model) -> dict[str, torch.Tensor]:
     """``{name of an adapted base weight: W + s B A}`` for one model chunk, each in this rank's shard
     layout and the weight's dtype (the merged model, e.g. for an engine that takes no adapters)."""
-    out = {}
-    for name, module in unwrap_model(model).named_modules():
-        if isinstance(module, LoRAAdapter):
-            w = module.base.weight
-            out[name.removesuffix(SUFFIX) + ".weight"] = (w.float() + module.delta_weight()).to(w.dtype)
-    return out
+    return {name: merged_weight(adapter) for name, adapter in adapters_by_weight(model).items()}
+
+
+def adapters_by_weight(model) -> dict[str, LoRAAdapter]:
+    """``{name of an adapted base weight (``...linear_qkv.weight``): its adapter}`` for one model chunk."""
+    return {name.removesuffix(SUFFIX) + ".weight": module for name, module in unwrap_model(model).named_modules()
+            if isinstance(module, LoRAAdapter)}
+
+
+def merged_weight(adapter: LoRAAdapter) -> torch.Tensor:
+    """``W + s B A`` of one adapter's layer in this rank's shard layout and the weight's dtype (summed in
+    float32)."""
+    w = adapter.base.weight.detach()
+    return (w.float() + adapter.delta_weight().detach()).to(w.dtype)
+
+
+def lora_metadata(model) -> Optional[dict]:
+    """The LoRA config a model's adapters were made with (targets: those the model has), as checkpoint
+    metadata records it so exports rebuild the same adapters; None without adapters."""
+    cfg = getattr(unwrap_model(model), "lora_config", None)
+    return None if cfg is None else cfg.model_dump()

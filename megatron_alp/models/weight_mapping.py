@@ -15,7 +15,7 @@ from typing import Iterator, Optional
 import torch
 
 from megatron_alp.models.families import MegatronModelArgs, hf_to_megatron
-from megatron_alp.models.weight_rules import DENSE, MOE, SIGMA_MARKER, Rule, RuleTable
+from megatron_alp.models.weight_rules import DENSE, LORA_PARAM, MOE, SIGMA_MARKER, Rule, RuleTable
 
 # HF tensors some checkpoints carry that hold no weights (recomputed buffers).
 IGNORED_HF = (re.compile(r".*\.rotary_emb\.inv_freq$"),)
@@ -193,3 +193,9 @@ class WeightMapping:
 def is_sigma(name: str) -> bool:
     """ALP sigma parameters: Megatron-checkpoint state that never goes to HF."""
     return SIGMA_MARKER in name
+
+
+def is_adapter(name: str) -> bool:
+    """LoRA factors (``...linear_qkv_lora.A``): exported merged into their weight, or by
+    :mod:`~megatron_alp.models.lora_export` in PEFT's names, never under their own."""
+    return LORA_PARAM.search(name) is not None

@@ -14,17 +14,20 @@ vocab-parallel: dim 0; row-parallel: dim 1; absent: replicated), so loading and 
 depend on attributes Megatron sets only while randomly initialising weights.
 
 Tied embeddings have no ``lm_head`` rule (the HF file has no such tensor); ALP sigmas
-(``alp_perturbation``) are Megatron-only state and never map to HF. Each model family
+(``alp_perturbation``) are Megatron-only state and never map to HF; neither do LoRA factors
+(``*_lora.A``/``B``), which go out merged into their weight or as a PEFT adapter. Each model family
 (:mod:`~megatron_alp.models.families`) names its table; families whose HF files are laid out alike
 share one (differences such as q/k/v biases or qk-norm come from the config flags).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Optional
 
 SIGMA_MARKER = "alp_perturbation"
+LORA_PARAM = re.compile(r"_lora\.[AB]$")  # LoRA factors beside their layer (models/lora.py)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Iterable, Optional, Protocol
+from typing import Callable, ClassVar, Iterable, Mapping, Optional, Protocol, Union
 
 import numpy as np
 import torch
@@ -69,6 +69,15 @@ class Interruption(Protocol):
 
     def pause(self) -> int:
         """Block while the weights change; returns the new version."""
+
+
+# A LoRA adapter's PEFT-named tensors: a dict, or (name, tensor) pairs (a stream from the trainer).
+Adapter = Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
+
+
+def tensor_pairs(tensors: Adapter) -> Iterable[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of a dict or of pairs already."""
+    return tensors.items() if isinstance(tensors, Mapping) else tensors
 
 
 class RolloutError(RuntimeError):
@@ -152,6 +161,9 @@ class RolloutEngine(abc.ABC):
     # Whether :meth:`layer_states` can show the hidden states of every decoder layer
     # (``megatron-alp mismatch --layers``, ``perturbation.calibration_mode: per_layer``).
     captures_layers: ClassVar[bool] = False
+    # Whether the engine can apply LoRA adapters itself (``lora.sync: adapter``): started with LoRA
+    # on (``lora_rank``), it loads the base weights once and :meth:`update_adapter` sends only A and B.
+    takes_adapters: ClassVar[bool] = False
     # Set by the replica's producer when partial rollouts are on.
     interruption: Optional[Interruption] = None
 
@@ -166,6 +178,14 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new weights given as (Hugging Face parameter name, full tensor) pairs."""
+
+    def update_adapter(self, tensors: Adapter, config: dict | Callable[[list[str]], dict]) -> None:
+        """Generate with this LoRA adapter from now on, where :attr:`takes_adapters`: PEFT-named
+        ``tensors`` (``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight``, ...; a dict
+        or (name, tensor) pairs) and the ``adapter_config.json`` dict that PEFT's ``save_pretrained``
+        writes with them (or a function of the tensor names that returns it)."""
+        raise RolloutError(f"rollout.engine {self.name} cannot apply LoRA adapters itself (lora.sync: adapter); "
+                           "use lora.sync: merged")
 
     def layer_states(self, sequences: list[list[int]]) -> list[dict[str, torch.Tensor]]:
         """Per token sequence, fed whole as one prompt, and per kind (``input``: the residual stream

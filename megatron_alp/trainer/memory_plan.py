@@ -191,6 +191,22 @@ class Architecture:
         one_expert = 3 * h * self.expert_ffn // etp + ((2 * self.expert_ffn // etp + h) if self.linear_bias else 0)
         return dense + h * self.experts, self.experts // ep * one_expert
 
+    def adapter_params(self, lora, tp: int = 1, ep: int = 1, etp: int = 1) -> tuple[int, int]:
+        """(dense, expert) LoRA parameters of one layer on one rank (megatron_alp/models/lora.py): a
+        column-parallel layer's A (r x in) is whole and its B (out/TP x r) sharded, a row-parallel
+        layer's A (r x in/TP) sharded and its B (out x r) whole; experts as their layers, under EP/ETP.
+        The dense MLP targets count only for dense models (shared experts are not modelled)."""
+        r, h, t = lora.rank, self.hidden, set(lora.target_modules)
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        dense = (r * h + r * (q + 2 * kv) // tp if "linear_qkv" in t else 0) + (r * q // tp + r * h
+                                                                                if "linear_proj" in t else 0)
+        if not self.experts:
+            dense += (r * h + r * 2 * self.ffn // tp if "linear_fc1" in t else 0) + (
+                r * self.ffn // tp + r * h if "linear_fc2" in t else 0)
+            return dense, 0
+        one_expert = 2 * r * h + 3 * r * self.expert_ffn // etp
+        return dense, (self.experts // ep * one_expert if "experts" in t else 0)
+
     @property
     def embedding_params(self) -> int:
         """Input embedding plus, when untied, the output layer."""
@@ -498,8 +514,10 @@ def _stage_params(arch: Architecture, lay: Layout) -> list[tuple[int, int]]:
     return [(layers * dense + embed, layers * expert), (layers * dense + embed + arch.hidden, layers * expert)]
 
 
-def _megatron_state(cfg: Config, lay: Layout, dense: int, expert: int) -> list[Item]:
-    """Weights (policy and reference), gradient buffer and optimizer state of one rank."""
+def _megatron_state(cfg: Config, arch: Architecture, lay: Layout, dense: int, expert: int) -> list[Item]:
+    """Weights (policy and reference), gradient buffer and optimizer state of one rank. With LoRA the
+    base is frozen (no gradient, no optimizer state) and the reference is the same weights with the
+    adapters off; gradients and optimizer state are the adapters' only."""
     b = DTYPE_BYTES[cfg.model.dtype]
     params = dense + expert
     per_param = 12 if b == 2 else 8  # fp32 master copy + Adam m, v; a float32 model is its own master
@@ -507,13 +525,20 @@ def _megatron_state(cfg: Config, lay: Layout, dense: int, expert: int) -> list[I
     split = f" ({_count(dense)} dense + {_count(expert)} expert)" if expert else ""
     items = [Item("weights", f"policy weights ({cfg.model.dtype})", params * b,
                   f"{_count(params)} params{split} x {b} B")]
-    if cfg.loss.kl_coef > 0:
+    if cfg.lora.enabled:
+        layers = arch.layers // lay.pp
+        dense, expert = (layers * n for n in arch.adapter_params(cfg.lora, lay.tp, lay.ep, lay.etp))
+        params = dense + expert
+        items = [Item("weights", f"policy weights ({cfg.model.dtype}): frozen base + LoRA", items[0].nbytes + params * b,
+                      f"{items[0].basis} + {_count(params)} adapter params (rank {cfg.lora.rank}) x {b} B")]
+    elif cfg.loss.kl_coef > 0:
         items.append(Item("reference", f"reference weights ({cfg.model.dtype})", params * b,
                           "same, no gradients (loss.kl_coef > 0)"))
+    what = "adapter " if cfg.lora.enabled else ""
     return items + [
-        Item("grads", "gradient buffer (fp32)", params * 4, f"{_count(params)} x 4 B, not sharded"),
+        Item("grads", "gradient buffer (fp32)", params * 4, f"{_count(params)} {what}x 4 B, not sharded"),
         Item("optimizer", "optimizer state", per_param * (math.ceil(dense / dp) + math.ceil(expert / edp)),
-             f"{per_param} B x ({_count(dense)} / DP{dp}"
+             f"{per_param} B x ({_count(dense)} {what}/ DP{dp}"
              + (f" + {_count(expert)} / expert-DP{edp})" if expert else ")")),
     ]
 
@@ -621,7 +646,7 @@ def _training(cfg: Config, arch: Architecture, lay: Layout, seq: int, engine_bud
     phases = []
     for index, (dense, expert) in enumerate(stages):
         first, last = index == 0, index == len(stages) - 1
-        state = _megatron_state(cfg, lay, dense, expert)
+        state = _megatron_state(cfg, arch, lay, dense, expert)
         fixed = [Item("runtime", "CUDA context, NCCL, workspaces", RUNTIME_BYTES, "fixed allowance")]
         if (0 if first else lay.pp - 1) in lay.stages_with_engine():
             asleep = r.free_memory_during_training
@@ -650,7 +675,7 @@ def _rollout(cfg: Config, arch: Architecture, lay: Layout, gpu_mem_gib: float, e
     held = [stages[0 if s == 0 else -1] for s in lay.stages_with_engine()]
     offloaded_by = {"weights": "weights", "reference": "weights", "grads": "grads", "optimizer": "optimizer"}
     items = []
-    for item in _megatron_state(cfg, lay, *max(held, key=sum)):
+    for item in _megatron_state(cfg, arch, lay, *max(held, key=sum)):
         key = offloaded_by[item.key]
         off = getattr(r, f"offload_{key}")
         how = "released" if key == "grads" else "offloaded"  # gradients are zeroed before every update anyway
@@ -732,7 +757,7 @@ def _table_phase(cfg: Config, arch: Architecture, lay: Layout, spec: PhaseSpec, 
         first, last = index == 0, index == len(stages) - 1
         items = []
         if spec.name != "warm_start":
-            for item in _megatron_state(cfg, lay, dense, expert):
+            for item in _megatron_state(cfg, arch, lay, dense, expert):
                 kind = kind_of[item.key]
                 if kind not in spec.megatron and moves and getattr(r, f"offload_{kind}"):
                     how = "released" if kind == "grads" else "offloaded"
@@ -843,7 +868,7 @@ def _plan(cfg: Config, gpus: int, gpu_mem_gib: float, hf: dict, source: str,
                             f"{_gib(usable)} GiB usable")
     phases = tuple(rows[name] for name in PLAN_ROWS)
     kept = set(rollout.resident)
-    offloaded = 0 if lay.separate else sum(i.nbytes for i in _megatron_state(cfg, lay, *_stage_params(arch, lay)[0])
+    offloaded = 0 if lay.separate else sum(i.nbytes for i in _megatron_state(cfg, arch, lay, *_stage_params(arch, lay)[0])
                                            if i.key not in kept and i.key != "grads")  # gradients are dropped
     micro_batch = MicroBatchShape.of(cfg, seq, t.max_tokens_per_micro_batch).describe
     if _logprob_budget(cfg):

@@ -37,6 +37,7 @@ from megatron_alp.config import Config, InputError
 from megatron_alp.data.prompts import PromptDataset, PromptSampler, load_tokenizer, pad_id
 from megatron_alp.diagnostics.figures import make_plots
 from megatron_alp.models.families import hf_to_megatron, load_hf_config
+from megatron_alp.models.lora import adapters_disabled
 from megatron_alp.rewards import build_reward
 from megatron_alp.rollout import DistributedRollout
 from megatron_alp.rollout.placement import pin_trainer_cores
@@ -187,11 +188,12 @@ class RLTrainer:
         self.policy, self.optimizer, self.scheduler, self.policy_module = (
             policy.model, policy.optimizer, policy.scheduler, policy.module)
         self.routing = RoutingPlan.for_config(cfg)
-        self.reference = None
+        self.reference = None  # with LoRA: the policy itself, scored with its adapters off
         if needs_ref_logprobs(cfg.loss):
-            self.reference = build_reference(self.args, cfg, cfg.model.load or self.model_dir)
+            self.reference = (self.policy if cfg.lora.enabled else
+                              build_reference(self.args, cfg, cfg.model.load or self.model_dir))
         self.need_old = needs_old_logprobs(cfg.loss.name) or cfg.trainer.mismatch_metrics or self.routing.needs_old_pass
-        chunks = model_chunks(self.policy) + ([self.reference] if self.reference is not None else [])
+        chunks = model_chunks(self.policy) + ([self.reference] if self.reference not in (None, self.policy) else [])
         offloader = offloader_for(cfg.rollout, chunks, self.optimizer, on_cpu=cfg.trainer.phase_ledger)
         self.phases.attach(offloader=offloader, measure=TrainingStateOffloader(chunks, self.optimizer, kinds=()))
 
@@ -221,7 +223,8 @@ class RLTrainer:
         self.phases.enter("engine_start")  # the engine claims its memory while Megatron's state is away
         self.rollout = DistributedRollout(cfg.rollout, str(self.model_dir), seed=cfg.trainer.seed,
                                           scorer=probe_mismatch, version=self.iteration,
-                                          background=cfg.trainer.max_staleness > 0, phase=self.phases.within)
+                                          background=cfg.trainer.max_staleness > 0, phase=self.phases.within,
+                                          lora=cfg.lora)
         self.phases.attach(rollout=self.rollout)
         if self.rank == 0:
             say(f"rollout engine: {self.rollout.replicas} {cfg.rollout.engine} replica(s) ready in {time.time() - t0:.0f} s")
@@ -335,7 +338,8 @@ class RLTrainer:
                 say(calibration_line(m, sigmas, cfg.perturbation.calibration_target, self.iteration))
         with timed(m, "ref_logprob"):
             if self.reference is not None:
-                local.ref_logprobs = compute_logprobs(self.reference, local, routing=self.routing.ref, **passes)
+                with adapters_disabled(self.reference):
+                    local.ref_logprobs = compute_logprobs(self.reference, local, routing=self.routing.ref, **passes)
 
     def _update(self, local, sizes: list[int]) -> tuple[list[dict], list[dict]]:
         """One optimizer step per mini-batch; each step's stats and its reduced loss metrics."""

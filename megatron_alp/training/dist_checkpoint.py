@@ -17,6 +17,11 @@ ALP sigmas are saved under one key per global layer (``decoder.layers.{i}.alp_pe
 .log_sigma``), not in Megatron's layer-stacked form, because only the selected layers have one: a
 stacked tensor with holes cannot be written, and per-layer keys make sigma i land on layer i
 under any pipeline split.
+
+LoRA adapters are saved with the base weights, sharded like their layers
+(:meth:`~megatron_alp.models.lora.LoRAAdapter.sharded_state_dict`), so they reshard like them; the
+metadata's ``lora`` (their config, null without adapters) says whether a checkpoint has them, and
+``load_checkpoint(..., base_only=True)`` starts a LoRA model from a checkpoint without them.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import json
 import logging
 import os
 import queue
+import re
 import shutil
 import tempfile
 import time
@@ -44,7 +50,8 @@ from megatron.core.utils import unwrap_model
 from megatron_alp.config import InputError
 from megatron_alp.models.families import load_hf_config
 from megatron_alp.models.hf_weights import check_model_matches, copy_hf_side_files, global_name, make_tmp_dir
-from megatron_alp.models.weight_mapping import is_sigma
+from megatron_alp.models.lora import adapters, lora_metadata
+from megatron_alp.models.weight_mapping import is_adapter, is_sigma
 from megatron_alp.training.checksums import damage, write_manifest
 from megatron_alp.training.perturbation import controller_of
 
@@ -329,6 +336,7 @@ def save_checkpoint(
                 "dtype": str(model.config.params_dtype).removeprefix("torch."),
                 "hf_config": hf_config,
                 "perturbation": _perturbation(model),
+                "lora": lora_metadata(model),
                 "has_optimizer": optimizer is not None,
                 "has_scheduler": opt_param_scheduler is not None,
                 "extra": {k: v for k, v in (extra or {}).items() if isinstance(v, (int, float, str, bool))},
@@ -410,13 +418,25 @@ def read_metadata(ckpt_dir) -> dict:
     return meta
 
 
-def load_checkpoint(ckpt_dir, model, *, optimizer=None, opt_param_scheduler=None, strict=True) -> dict:
+def _is_optimizer_key(key: str) -> bool:
+    """Optimizer state: ``optimizer.``, or ``chained_N.optimizer.`` where Megatron chains optimizers
+    (the experts' own one at EP>1)."""
+    return re.match(r"(chained_\d+\.)?optimizer\.", key) is not None
+
+
+def load_checkpoint(ckpt_dir, model, *, optimizer=None, opt_param_scheduler=None, strict=True,
+                    base_only=False) -> dict:
     """Load a checkpoint into ``model`` (any DP/TP/PP/EP layout); returns the saved ``extra`` dict.
 
     ``strict``: every model parameter must be in the checkpoint and every checkpointed model
     tensor must be used. ALP sigmas are exempt both ways: a checkpoint without them (converted
     from HF, or trained without ALP) leaves the model's initial sigmas, and a model without
     perturbation ignores the checkpoint's.
+
+    ``base_only``: LoRA adapters are neither read nor required, so a LoRA model starts from a
+    checkpoint saved without adapters (its adapters keep their initial values), and a model
+    without adapters takes the base weights of a LoRA checkpoint. No optimizer state: it belongs
+    to the parameters the checkpoint trained, which are not the model's.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
@@ -426,7 +446,14 @@ def load_checkpoint(ckpt_dir, model, *, optimizer=None, opt_param_scheduler=None
     meta = read_metadata(ckpt)
     if meta.get("hf_config"):
         check_model_matches(model, meta["hf_config"], f"{ckpt / META_FILE} (hf_config)")
+    if base_only and optimizer is not None:
+        raise ValueError(f"{ckpt}: base_only loads the base weights alone; pass no optimizer")
+    if strict and not base_only and adapters(model) and not meta.get("lora"):
+        raise ValueError(f"{ckpt}: holds no LoRA adapters (saved without them) for this LoRA model; load it with "
+                         "base_only=True to take its base weights and keep the adapters' initial values")
     state = {"model": model_sharded_state_dict(model)}
+    if base_only or not meta.get("lora"):  # asking for absent gated-fc1 B factors fails in Megatron
+        state["model"] = {k: v for k, v in state["model"].items() if not is_adapter(k)}
     if optimizer is not None:
         if not meta.get("has_optimizer"):
             raise ValueError(f"{ckpt}: holds no optimizer state (saved without an optimizer)")
@@ -448,14 +475,16 @@ def load_checkpoint(ckpt_dir, model, *, optimizer=None, opt_param_scheduler=None
         )
     if strict:
         absent = sorted(k for k in model_only if not is_sigma(k))
-        unused = sorted(k for k in ckpt_only if not is_sigma(k) and not k.startswith("optimizer."))
+        unused = sorted(k for k in ckpt_only if not is_sigma(k) and not _is_optimizer_key(k)
+                        and not (base_only and is_adapter(k)))
         if absent:
             raise ValueError(f"{ckpt}: has no tensor {absent[0]} for the model ({len(absent)} missing)")
         if unused:
             raise ValueError(f"{ckpt}: tensor {unused[0]} has no place in the model ({len(unused)} unused)")
     result = model.load_state_dict(loaded["model"], strict=False)
     if strict:
-        left = [k for k in result.missing_keys if not is_sigma(k) and not k.endswith("_extra_state")]
+        left = [k for k in result.missing_keys if not is_sigma(k) and not k.endswith("_extra_state")
+                and not (base_only and is_adapter(k))]
         if left:
             raise ValueError(f"{ckpt}: no value for model parameter {left[0]}")
     if optimizer is not None:

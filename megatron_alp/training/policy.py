@@ -69,12 +69,12 @@ class Policy:
 
 
 def build_policy(args: MegatronModelArgs, cfg: Config, model_dir: str | Path, total_steps: int) -> Policy:
-    """The policy with ALP's perturbation sites, initialised from ``model.load`` when set, else from
-    ``model_dir``. HF weights are loaded before the optimizer is built (a half-precision model's
+    """The policy with ALP's perturbation sites (and ``lora``'s adapters on a frozen base), initialised
+    from ``model.load`` when set, else from ``model_dir``. HF weights are loaded before the optimizer is built (a half-precision model's
     optimizer copies them into its fp32 main parameters); a checkpoint is loaded after, and the
     main parameters are then copied from it again, or the first step would put back the weights
     the optimizer was built with."""
-    module = build_gpt_model(args, cfg.model, cfg.parallel, cfg.perturbation, moe=cfg.moe)
+    module = build_gpt_model(args, cfg.model, cfg.parallel, cfg.perturbation, moe=cfg.moe, lora=cfg.lora)
     if cfg.model.load is None:
         load_hf_weights(module, model_dir)
     model = wrap_for_training(module, cfg.parallel)

@@ -23,6 +23,12 @@ routing of cached prefix blocks is kept with them). Each finished request then c
 of every token it fed through the model, ``[prompt + response - 1, layers, k]`` (the last sampled
 token is never fed back), which :class:`~megatron_alp.rollout.base.Completion` keeps. On the CPU
 the engine refuses, naming the key.
+LoRA adapters (``lora.sync: adapter``): started with ``lora_rank``, the engine loads the base
+weights once with vLLM's LoRA support on (one adapter slot); :meth:`VLLMEngine.update_adapter`
+writes each new adapter as a PEFT folder (``adapter_model.safetensors`` + ``adapter_config.json``)
+in the sync folder, registers it under a new id and drops the previous one, and every request
+then carries it. The folder outlives the engine: a restarted engine registers it again, so a
+restart loses nothing.
 The engine is started under its :class:`~megatron_alp.rollout.placement.Placement` (its GPUs or
 CPU cores), so replicas on one machine do not share devices.
 
@@ -37,19 +43,22 @@ missing is a :class:`RolloutError`.
 from __future__ import annotations
 
 import gc
+import json
 import os
+import shutil
 import threading
 import time
 from concurrent.futures import InvalidStateError
 from dataclasses import replace
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
 from megatron_alp.config import ConfigError, RolloutConfig
 from megatron_alp.models.families import load_hf_config, num_experts
 from megatron_alp.rollout.base import (
+    Adapter,
     Completion,
     EngineRestarted,
     RolloutEngine,
@@ -61,13 +70,14 @@ from megatron_alp.rollout.base import (
     collect_samples,
     register_engine,
     resolve_max_model_len,
+    tensor_pairs,
 )
 from megatron_alp.rollout.placement import Placement, placement_env
 from megatron_alp.rollout.quantization import check_model_not_prequantized, vllm_quantization_args
 from megatron_alp.rollout.vllm.plugin import ENGINE_RANK, SLEEP_WHEN_IDLE
 from megatron_alp.rollout.vllm.transports import SYNC_METHODS, transport_for
 from megatron_alp.rollout.vllm.worker import WorkerExtension, layer_tensor
-from megatron_alp.rollout.weight_sync import WeightStream, is_finite
+from megatron_alp.rollout.weight_sync import WeightStream, default_sync_root, is_finite
 from megatron_alp.runtime.platform import has_gpu
 from megatron_alp.runtime.seeding import derive_seed
 
@@ -108,8 +118,22 @@ def forget_dead_vllm_groups() -> None:
             setattr(vps, name, None)
 
 
+def max_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts (it allows only a few values) that holds ``rank``."""
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    allowed = sorted(get_args(MaxLoRARanks))
+    fits = [r for r in allowed if r >= rank]
+    if not fits:
+        raise ValueError(f"lora.rank={rank}: vLLM applies adapters of rank up to {allowed[-1]}; use a lower "
+                         "lora.rank, or lora.sync: merged")
+    return fits[0]
+
+
 def llm_kwargs(cfg: RolloutConfig, *, model: str, tokenizer: str, seed: int, max_model_len: int,
-               quantization: dict, gpu: bool, return_routing: bool) -> dict:
+               quantization: dict, gpu: bool, return_routing: bool, lora_rank: Optional[int] = None) -> dict:
     """The keyword arguments of vLLM's ``LLM`` for this engine.
 
     Chunked prefill stays vLLM's default on GPUs (turning it off there may crash or give wrong
@@ -137,7 +161,29 @@ def llm_kwargs(cfg: RolloutConfig, *, model: str, tokenizer: str, seed: int, max
         kwargs.update(enable_chunked_prefill=False)
     if return_routing:
         kwargs.update(enable_return_routed_experts=True, enable_prefix_caching=True)
+    if lora_rank is not None:
+        # one slot: every request carries the current adapter, and a sync replaces it
+        kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank(lora_rank), max_loras=1)
     return kwargs
+
+
+def write_adapter_folder(tensors: dict[str, torch.Tensor], config: dict, folder: Path) -> Path:
+    """``folder`` as PEFT's ``save_pretrained`` writes it (``adapter_model.safetensors``,
+    ``adapter_config.json``), which vLLM loads adapters from. Written next to it and renamed, so
+    ``folder`` appears complete or not at all."""
+    from safetensors.torch import save_file
+
+    staging = folder.with_name(f".{folder.name}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        save_file(tensors, str(staging / "adapter_model.safetensors"))
+        (staging / "adapter_config.json").write_text(json.dumps(config, indent=2))
+        os.replace(staging, folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return folder
 
 
 def _sampled_logprobs(c, tokens: list[int], i: int, j: int) -> list[float]:
@@ -199,6 +245,7 @@ class VLLMEngine(RolloutEngine):
     sync_methods = SYNC_METHODS
     partial_rollouts = True
     captures_layers = True
+    takes_adapters = True
 
     @classmethod
     def check_config(cls, cfg: RolloutConfig) -> None:
@@ -210,7 +257,9 @@ class VLLMEngine(RolloutEngine):
                 "the trainer's; use rollout.engine_process subprocess (or auto), or rollout.sync_method memory"
             )
 
-    def __init__(self, cfg: RolloutConfig, model_dir: str, seed: int = 0, placement: Optional[Placement] = None):
+    def __init__(self, cfg: RolloutConfig, model_dir: str, seed: int = 0, placement: Optional[Placement] = None,
+                 lora_rank: Optional[int] = None):
+        """``lora_rank``: start with LoRA on, for adapters up to this rank (:meth:`update_adapter`)."""
         self.cfg = cfg
         self.model_dir = Path(model_dir)
         self.seed = seed
@@ -239,6 +288,11 @@ class VLLMEngine(RolloutEngine):
         self._batches = 0
         self.restarts = 0
         self.last_sync: dict = {}
+        self.lora_rank = lora_rank
+        if lora_rank is not None:
+            max_lora_rank(lora_rank)  # refused before the engine starts
+        self._adapter = None  # vLLM's LoRARequest of the current adapter
+        self._adapter_root: Optional[Path] = None
         self._llm = None
         self._start()
 
@@ -286,10 +340,13 @@ class VLLMEngine(RolloutEngine):
             forget_dead_vllm_groups()
         kwargs = llm_kwargs(self.cfg, model=str(self.transport.start_dir or self.model_dir),
                             tokenizer=str(self.model_dir), seed=self.seed, max_model_len=self._max_len,
-                            quantization=self._quant, gpu=gpu, return_routing=self.return_routing)
+                            quantization=self._quant, gpu=gpu, return_routing=self.return_routing,
+                            lora_rank=self.lora_rank)
         try:
             with placement_env(self.placement):
                 self._llm = LLM(**kwargs)
+            if self._adapter is not None:  # a restart: the adapter's folder is still there
+                self._llm.llm_engine.add_lora(self._adapter)
         except Exception as err:
             raise RolloutError(f"vLLM failed to start on {kwargs['model']}: {type(err).__name__}: {err}") from err
         self._asleep = set()
@@ -368,6 +425,9 @@ class VLLMEngine(RolloutEngine):
     def shutdown(self) -> None:
         self._release()
         self.transport.close()
+        if self._adapter_root is not None:
+            shutil.rmtree(self._adapter_root, ignore_errors=True)
+            self._adapter_root = self._adapter = None
 
     def sleep(self) -> None:
         """Free GPU memory (weights offloaded to CPU, KV cache dropped); a no-op on the CPU."""
@@ -419,6 +479,52 @@ class VLLMEngine(RolloutEngine):
             self._llm.reset_prefix_cache()
         self.last_sync = {"tensors": stream.tensors, "bytes": stream.bytes, "seconds": time.time() - t0,
                           "path": self.transport.name}
+
+    def update_adapter(self, tensors: Adapter, config: dict | Callable[[list[str]], dict]) -> None:
+        """Generate with this adapter from now on (``lora.sync: adapter``). It goes to the engine as a
+        PEFT folder in the sync folder (``rollout.sync_dir``), registered under a new id; the previous
+        adapter is removed from the engine and its folder deleted, so one adapter is held at a time.
+        ``config`` may be a function of the tensor names, for a stream whose names are known only at
+        its end. ``last_sync`` records the tensors and bytes sent."""
+        if self.lora_rank is None:
+            raise RolloutError("update_adapter: this vLLM engine was started without LoRA (lora_rank); "
+                               "lora.sync: adapter needs VLLMEngine(..., lora_rank=lora.rank)")
+        from vllm.lora.request import LoRARequest
+
+        stream = WeightStream(tensor_pairs(tensors))
+        t0 = time.time()
+        # copies: the trainer's tensors may be views of one buffer (q/k/v share lora_A), which safetensors refuses
+        state = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in stream}
+        config = config(list(state)) if callable(config) else config
+        rank = int(config.get("r", 0))
+        if not 0 < rank <= self.lora_rank:
+            raise RolloutError(f"update_adapter: adapter rank r={config.get('r')!r}, but the engine takes ranks "
+                               f"1 to {self.lora_rank} (lora.rank)")
+        if self._broken or not self.alive():
+            self._restart("an earlier request or update failed")
+        if "weights" in self._asleep:
+            self._llm.wake_up(tags=["weights"])
+            self._asleep.discard("weights")
+        if self._adapter_root is None:
+            self._adapter_root = default_sync_root(self.cfg.sync_dir)
+        number = self._adapter.lora_int_id + 1 if self._adapter is not None else 1
+        folder = write_adapter_folder(state, config, self._adapter_root / f"adapter-{number:06d}")
+        del state
+        # the name keys vLLM's prefix cache: a new one per adapter, so no block computed under the old
+        # adapter is reused
+        request = LoRARequest(lora_name=f"adapter-{number}", lora_int_id=number, lora_path=str(folder))
+        try:
+            self._llm.llm_engine.add_lora(request)
+        except Exception as err:  # vLLM loads the new adapter whole before evicting the current one, still in use
+            shutil.rmtree(folder, ignore_errors=True)
+            raise RolloutError(f"vLLM rejected the LoRA adapter (lora.sync: adapter): {type(err).__name__}: {err}"
+                               ) from err
+        old, self._adapter = self._adapter, request
+        if old is not None:
+            self._llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        self.last_sync = {"tensors": stream.tensors, "bytes": stream.bytes, "seconds": time.time() - t0,
+                          "path": "adapter"}
 
     # -------------------------------------------------------------------------- diagnostics
 
@@ -507,7 +613,8 @@ class VLLMEngine(RolloutEngine):
                 rid = f"b{self._batches}-p{i}-s{j}" + (f"-c{span}" if span else "")
                 ids[rid] = (i, j)
                 try:
-                    engine.add_request(rid, {"prompt_token_ids": list(prompts[i]) + done}, vparams)
+                    engine.add_request(rid, {"prompt_token_ids": list(prompts[i]) + done}, vparams,
+                                       lora_request=self._adapter)
                 except (ValueError, VLLMClientError) as err:  # a refused request: retrying cannot help
                     engine.abort_request(list(ids))
                     raise RolloutError(f"vLLM refused prompt {i}: {err}") from err

@@ -1,0 +1,93 @@
+"""Exports of a LoRA model: the merged HF folder (iter_hf_weights) and the PEFT adapter folder
+(lora_export), written for tests/test_lora_export.py to load with transformers and peft.
+
+Usage: python check_lora_export.py WORK (1 rank)  |  torchrun --nproc_per_node 2 check_lora_export.py WORK
+
+WORK holds the tiny HF base models (``WORK/<family>/``). On one rank, for each family: build the
+Megatron model with LoRA, load the HF base, draw a nonzero B for every adapter (A is random already),
+save the full adapters and the fp32 log-probabilities of a fixed batch to ``WORK/<family>_ref.pt``,
+and write ``WORK/<family>_1rank/{merged,peft}``; for Qwen3 also save the model as a Megatron
+checkpoint (``WORK/qwen3_ckpt``), and its base model without adapters (``WORK/qwen3_base_ckpt``),
+for the ``convert`` command. On two ranks, at each layout of LAYOUTS: the same
+base and adapters (loaded from the 1-rank run) written to ``WORK/<family>_<layout>/{merged,peft}``.
+"""
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from common import build, full_state, load_full_state, reinit, tokens
+from megatron_alp.config import LoRAConfig
+from megatron_alp.models.hf_weights import iter_hf_weights, load_hf_weights, write_hf_folder
+from megatron_alp.models.lora import lora_state
+from megatron_alp.models.lora_export import export_peft_adapter
+from megatron_alp.training.dist_checkpoint import save_checkpoint
+
+LORA = {"qwen3": LoRAConfig(enabled=True, rank=4, alpha=8.0),  # every dense target
+        "qwen3_moe": LoRAConfig(enabled=True, rank=4, alpha=8.0,
+                                target_modules=["linear_qkv", "linear_proj", "experts"])}
+LAYOUTS = {"qwen3": {"tp2": dict(tp=2)}, "qwen3_moe": {"tp2": dict(tp=2, sp=True), "ep2": dict(ep=2)}}
+
+
+def build_lora(family: str, work: Path, **layout):
+    model = build(family, reinit(**layout), lora=LORA[family])
+    load_hf_weights(model, work / family)
+    return model
+
+
+def write_exports(model, family: str, work: Path, out: Path) -> None:
+    def add_files(tmp: Path) -> None:
+        shutil.copy(work / family / "config.json", tmp / "config.json")
+
+    weights = iter_hf_weights(model, bucket_bytes=64 << 10)
+    if dist.get_rank() == 0:
+        write_hf_folder(weights, out / "merged", max_shard_bytes=1 << 30, add_files=add_files)
+    else:
+        for _ in weights:
+            pass
+    export_peft_adapter(model, out / "peft", LORA[family], base_model_name_or_path=str(work / family),
+                        bucket_bytes=16 << 10)  # several buckets
+
+
+def reference(family: str, work: Path) -> None:
+    model = build_lora(family, work)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in lora_state(model).items():
+            if name.endswith(".B"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    batch = tokens(b=2, s=16)
+    pos = torch.arange(batch.shape[1]).unsqueeze(0).expand(batch.shape[0], -1)
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(batch, pos, None).float(), dim=-1)
+    adapters = {n: t for n, t in full_state(model).items() if n in lora_state(model)}
+    torch.save({"tokens": batch, "logprobs": logprobs, "adapters": adapters}, work / f"{family}_ref.pt")
+    write_exports(model, family, work, work / f"{family}_1rank")
+    if family == "qwen3":
+        save_checkpoint(work / "qwen3_ckpt", model, hf_dir=work / family)
+        base = build(family, reinit())
+        load_hf_weights(base, work / family)
+        save_checkpoint(work / "qwen3_base_ckpt", base, hf_dir=work / family)
+
+
+def parallel(family: str, work: Path) -> None:
+    adapters = torch.load(work / f"{family}_ref.pt")["adapters"]
+    for layout, kw in LAYOUTS[family].items():
+        model = build_lora(family, work, **kw)
+        load_full_state(model, adapters)
+        write_exports(model, family, work, work / f"{family}_{layout}")
+
+
+def main() -> None:
+    work = Path(sys.argv[1])
+    run = parallel if int(os.environ.get("WORLD_SIZE", "1")) > 1 else reference
+    for family in LORA:
+        run(family, work)
+
+
+if __name__ == "__main__":
+    main()

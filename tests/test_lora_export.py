@@ -1,0 +1,146 @@
+"""Exports of a LoRA model (megatron_alp/models/lora_export.py and the merged HF export): tiny fp32
+Qwen3 (every dense target) and Qwen3-MoE (attention and routed experts) with random A and nonzero B.
+
+- peft's ``PeftModel.from_pretrained(hf_base, adapter_dir)`` gives Megatron's log-probabilities;
+- transformers on the merged export (iter_hf_weights) gives them too, and its tensors are the base
+  model's names only (no ``*_lora.*``);
+- the adapter and merged folders written at TP=2 (and EP=2, MoE) equal the 1-rank ones bit for bit;
+- ``megatron-alp convert`` of a LoRA checkpoint: ``mcore-to-peft`` writes that adapter folder and
+  ``mcore-to-hf`` that merged folder, which ``verify`` matches with the checkpoint; ``mcore-to-peft``
+  of a checkpoint without adapters is refused naming its metadata file.
+
+Megatron's side runs in tests/dist/check_lora_export.py: once on 1 rank (the reference: adapters,
+log-probabilities, exports) and once under torchrun on 2 ranks; the expected values here come from
+transformers and peft forwards in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ROOT, torchrun
+from safetensors.torch import load_file
+from test_convert import _logit_diff, convert
+
+from megatron_alp.config import LoRAConfig
+from megatron_alp.models.lora_export import ADAPTER_FILE, CONFIG_FILE, peft_adapter_config, write_peft_adapter
+from megatron_alp.models.tiny import make_tiny_model
+
+FAMILIES = ["qwen3", "qwen3_moe"]
+TOL = 1e-5  # fp32 max |log-probability diff|: the same weights, other kernels
+LAYOUTS = [("qwen3", "tp2"), ("qwen3_moe", "tp2"), ("qwen3_moe", "ep2")]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("lora_export")
+    for i, family in enumerate(FAMILIES):
+        make_tiny_model(family, work / family, seed=20 + i)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(key, None)
+    script = ROOT / "tests" / "dist" / "check_lora_export.py"
+    proc = subprocess.run([sys.executable, str(script), str(work)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    torchrun("check_lora_export.py", str(work))
+    return work
+
+
+def _logprobs(model, tokens) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model(input_ids=tokens).logits.float(), dim=-1)
+
+
+def _hf(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_peft_adapter_gives_megatrons_logprobs(work, family):
+    from peft import PeftModel
+
+    ref = torch.load(work / f"{family}_ref.pt")
+    base = _hf(work / family)
+    shift = (_logprobs(base, ref["tokens"]) - ref["logprobs"]).abs().max().item()
+    model = PeftModel.from_pretrained(base, work / f"{family}_1rank" / "peft").eval()
+    diff = (_logprobs(model, ref["tokens"]) - ref["logprobs"]).abs().max().item()
+    assert diff < TOL and shift > 0.1, (diff, shift)  # the adapters change the model, PEFT's is Megatron's
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_merged_export_gives_megatrons_logprobs(work, family):
+    ref = torch.load(work / f"{family}_ref.pt")
+    merged = work / f"{family}_1rank" / "merged"
+    names = sorted(load_file(merged / "model.safetensors"))
+    assert names == sorted(load_file(work / family / "model.safetensors")), "not the base model's tensor names"
+    diff = (_logprobs(_hf(merged), ref["tokens"]) - ref["logprobs"]).abs().max().item()
+    assert diff < TOL, diff
+
+
+def test_adapter_config(work):
+    dense = json.loads((work / "qwen3_1rank" / "peft" / CONFIG_FILE).read_text())
+    assert dense["peft_type"] == "LORA" and dense["task_type"] == "CAUSAL_LM"
+    assert (dense["r"], dense["lora_alpha"], dense["lora_dropout"]) == (4, 8, 0.0)
+    assert dense["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert dense["target_parameters"] is None and dense["base_model_name_or_path"] == str(work / "qwen3")
+    moe = json.loads((work / "qwen3_moe_1rank" / "peft" / CONFIG_FILE).read_text())
+    assert moe["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert moe["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    tensors = load_file(work / "qwen3_moe_1rank" / "peft" / ADAPTER_FILE)
+    assert tensors["base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight"].shape == (4 * 4, 128)
+    assert tensors["base_model.model.model.layers.0.mlp.experts.lora_B.weight"].shape == (128, 4 * 4)
+
+
+@pytest.mark.parametrize("family, layout", LAYOUTS)
+def test_parallel_exports_equal_one_rank(work, family, layout):
+    for kind, file in (("peft", ADAPTER_FILE), ("merged", "model.safetensors")):
+        _assert_same_tensors(work / f"{family}_1rank" / kind / file, work / f"{family}_{layout}" / kind / file)
+    config = [(work / f"{family}_{at}" / "peft" / CONFIG_FILE).read_text() for at in ("1rank", layout)]
+    assert config[0] == config[1]
+
+
+def _assert_same_tensors(a_file: Path, b_file: Path) -> None:
+    a, b = load_file(a_file), load_file(b_file)
+    assert sorted(a) == sorted(b), sorted(set(a) ^ set(b))[:5]
+    changed = [n for n in a if not torch.equal(a[n], b[n])]
+    assert not changed, f"{b_file} differs from {a_file}: {changed[:5]}"
+
+
+def test_convert_lora_checkpoint(work, tmp_path):
+    ckpt, peft_dir, hf_dir = work / "qwen3_ckpt", tmp_path / "peft", tmp_path / "hf"
+    assert json.loads((ckpt / "megatron_alp.json").read_text())["lora"]["rank"] == 4
+    convert("mcore-to-peft", "--mcore", str(ckpt), "--out", str(peft_dir), "--base-model", str(work / "qwen3"))
+    reference = work / "qwen3_1rank"
+    _assert_same_tensors(reference / "peft" / ADAPTER_FILE, peft_dir / ADAPTER_FILE)
+    assert (peft_dir / CONFIG_FILE).read_text() == (reference / "peft" / CONFIG_FILE).read_text()
+    convert("mcore-to-hf", "--mcore", str(ckpt), "--out", str(hf_dir))
+    _assert_same_tensors(reference / "merged" / "model.safetensors", hf_dir / "model.safetensors")
+    proc = convert("verify", "--hf", str(hf_dir), "--mcore", str(ckpt))  # the checkpoint runs with its adapters
+    assert _logit_diff(proc.stdout) < 1e-4
+
+    base = work / "qwen3_base_ckpt"
+    proc = convert("mcore-to-peft", "--mcore", str(base), "--out", str(tmp_path / "none"), expect_ok=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"{base / 'megatron_alp.json'}: the checkpoint records no LoRA adapters" in proc.stderr
+    assert not (tmp_path / "none").exists()
+
+
+def test_bad_input_is_refused(tmp_path):
+    cfg = LoRAConfig(enabled=True, rank=4)
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.q_proj.weight: not a PEFT LoRA tensor name"):
+        peft_adapter_config(cfg, ["model.layers.0.self_attn.q_proj.weight"])
+    (tmp_path / "out").mkdir()
+    with pytest.raises(FileExistsError, match="refusing to overwrite"):
+        write_peft_adapter([], tmp_path / "out", cfg)
+    with pytest.raises(ValueError, match="no PEFT LoRA tensors"):
+        write_peft_adapter([], tmp_path / "empty", cfg)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], "a failed write left files behind"
