@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 from megatron_alp.runtime.parallel import free_port
@@ -37,6 +38,19 @@ def run_checks(script: str, out: Path) -> dict:
                           text=True, timeout=600)
     assert proc.returncode == 0 and out.exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
     return json.loads(out.read_text())
+
+
+def record_checks(checks: dict, path: str) -> None:
+    """The script side of :func:`run_checks`: run every check, record each one's result or traceback
+    (every check reports; the test of each asserts its own)."""
+    results = {}
+    for name, fn in checks.items():
+        try:
+            results[name] = {"ok": True, **(fn() or {})}
+        except Exception:
+            results[name] = {"ok": False, "error": traceback.format_exc()}
+        print(name, "ok" if results[name]["ok"] else "FAILED", flush=True)
+    Path(path).write_text(json.dumps(results, default=str))
 
 
 def passed(results: dict, name: str) -> dict:

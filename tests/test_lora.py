@@ -9,13 +9,11 @@ in a JSON file) and each test below asserts its own check's result, as tests/tes
 
 from __future__ import annotations
 
-import json
 import sys
-import traceback
 from pathlib import Path
 
 import pytest
-from helpers import passed, run_checks
+from helpers import passed, record_checks, run_checks
 
 from megatron_alp.config import ConfigError, LoRAConfig, validate_schema
 
@@ -374,17 +372,6 @@ def check_model_refusals():
     return {"moe_default_kinds": kinds}
 
 
-def _main(path: str) -> None:
-    _setup()
-    results = {}
-    for name, fn in CHECKS.items():
-        try:
-            results[name] = {"ok": True, **(fn() or {})}
-        except Exception:  # every check reports; the test of each asserts its own
-            results[name] = {"ok": False, "error": traceback.format_exc()}
-        print(name, "ok" if results[name]["ok"] else "FAILED", flush=True)
-    Path(path).write_text(json.dumps(results, default=str))
-
-
 if __name__ == "__main__":
-    _main(sys.argv[1])
+    _setup()
+    record_checks(CHECKS, sys.argv[1])
