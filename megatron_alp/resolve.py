@@ -26,6 +26,7 @@ from megatron_alp.config.loading import format_errors, override_keys, read_yaml
 from megatron_alp.models.families import FAMILIES
 from megatron_alp.rewards import REWARDS
 from megatron_alp.rollout.base import ENGINES
+from megatron_alp.runtime.platform import has_gpu
 from megatron_alp.runtime.trackers import TRACKERS, missing_package
 
 
@@ -68,7 +69,7 @@ def _registry_errors(section: BaseModel, prefix: str) -> list[tuple[str, str, An
     return errors
 
 
-def _perturbation(cfg: Config) -> None:
+def _perturbation(cfg: Config, gpu: bool) -> None:
     """``perturbation.enabled`` follows the loss (refusing a contradiction), and what needs it."""
     spec, pert = get_policy_loss(cfg.loss.name), cfg.perturbation
     if pert.enabled is None:
@@ -94,15 +95,16 @@ def _perturbation(cfg: Config) -> None:
                          "that the calibration would count as mismatch; sample with top_p: 1.0 and top_k: -1, or set "
                          "perturbation.init_std to a number")
     if pert.calibration_mode == "per_layer":
-        _per_layer_calibration(cfg)
+        _per_layer_calibration(cfg, gpu)
     if pert.init_std == "auto" and not pert.enabled:
         raise ValueError(f"perturbation.init_std: auto calibrates the ALP noise, but loss.name={cfg.loss.name} "
                          "runs unperturbed (perturbation.enabled is false)")
 
 
-def _per_layer_calibration(cfg: Config) -> None:
+def _per_layer_calibration(cfg: Config, gpu: bool) -> None:
     """What ``perturbation.calibration_mode: per_layer`` needs: the layer probe compares the engine's
-    decoder-layer inputs with one whole-model forward of the trainer's."""
+    decoder-layer inputs with one whole-model forward of the trainer's. The engine shows them through
+    forward hooks, which a compiled engine (vLLM on GPUs, ``gpu``) never runs: there it must be eager."""
     pert, engine = cfg.perturbation, ENGINES[cfg.rollout.engine]
     if pert.init_std != "auto":
         raise ValueError(f"perturbation.calibration_mode: per_layer sizes the calibrated sigma, which needs "
@@ -113,6 +115,11 @@ def _per_layer_calibration(cfg: Config) -> None:
     if not engine.captures_layers:
         raise ValueError(f"perturbation.calibration_mode: per_layer with rollout.engine={cfg.rollout.engine}: the "
                          "engine cannot show its layers' hidden states; use rollout.engine: vllm or calibration_mode: global")
+    if gpu and not cfg.rollout.enforce_eager:
+        raise ValueError("perturbation.calibration_mode: per_layer on GPUs needs rollout.enforce_eager: true: the "
+                         "engine shows its layer inputs through forward hooks, which its compiled model and CUDA "
+                         "graphs never run, so the first layer probe would fail; set rollout.enforce_eager: true "
+                         "(every rollout then runs eager) or use calibration_mode: global")
     if cfg.parallel.pipeline_model_parallel_size > 1:
         raise ValueError("perturbation.calibration_mode: per_layer with parallel.pipeline_model_parallel_size="
                          f"{cfg.parallel.pipeline_model_parallel_size}: the layer probe runs whole-model forwards; "
@@ -191,9 +198,10 @@ def _tir_instruction(cfg: Config) -> None:
         cfg.data = cfg.data.model_copy(update={"system_prompt": TIR_SYSTEM_PROMPT})
 
 
-def resolve(cfg: Config, source: str = "<dict>") -> Config:
+def resolve(cfg: Config, source: str = "<dict>", gpu: Optional[bool] = None) -> Config:
     """Check ``cfg`` against the registries and set its derived defaults, in place; returns it.
-    Raises :class:`ConfigError` naming each key. Resolving twice changes nothing."""
+    Raises :class:`ConfigError` naming each key. Resolving twice changes nothing. ``gpu``: whether the
+    run targets GPUs (default: this machine has one, :func:`~megatron_alp.runtime.platform.has_gpu`)."""
     errors = _registry_errors(cfg, "")
     if not errors:
         try:
@@ -203,7 +211,7 @@ def resolve(cfg: Config, source: str = "<dict>") -> Config:
     if errors:
         raise ConfigError(format_errors(errors, source))
     try:
-        _perturbation(cfg)
+        _perturbation(cfg, has_gpu() if gpu is None else gpu)
         _distributed_optimizer(cfg)
         cfg.loss.clip_low, cfg.loss.clip_high = get_policy_loss(cfg.loss.name).clip_range(cfg.loss)
         _moe(cfg)
@@ -216,10 +224,11 @@ def resolve(cfg: Config, source: str = "<dict>") -> Config:
     return cfg
 
 
-def config_from_dict(data: dict, source: str = "<dict>", overridden: frozenset[str] = frozenset()) -> Config:
+def config_from_dict(data: dict, source: str = "<dict>", overridden: frozenset[str] = frozenset(),
+                     gpu: Optional[bool] = None) -> Config:
     """A raw config dict, schema-validated and resolved (:class:`ConfigError` naming each key;
-    ``overridden``: the keys that came from command-line overrides)."""
-    return resolve(validate_schema(data, source, overridden), source)
+    ``overridden``: the keys that came from command-line overrides; ``gpu``: as in :func:`resolve`)."""
+    return resolve(validate_schema(data, source, overridden), source, gpu)
 
 
 def load_config(path: str | Path, overrides: Optional[list[str]] = None) -> Config:

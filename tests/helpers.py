@@ -1,9 +1,11 @@
-"""Shared test helpers: launching multi-rank checks with torchrun over gloo."""
+"""Shared test helpers: multi-rank checks with torchrun over gloo, trainer runs and their metrics,
+and facts more than one test file reads."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import traceback
@@ -71,3 +73,376 @@ def running(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state not in ("Z", "X")
+
+
+# ------------------------------------------------------------------ check scripts, batched per launch
+# A torchrun launch costs about 10 s of imports and process-group setup on 2 cores before a check
+# script does anything. Test files register their scripts here (dist_job) and read each one's
+# folder through the session's DistJobs (tests/conftest.py: dist_jobs): the first test that needs a
+# job runs every registered job that a selected test needs, as few launches as their rank counts,
+# environments and order allow (tests/dist/run_jobs.py runs several scripts in one launch).
+
+import re as _re  # noqa: E402
+import signal as _signal  # noqa: E402
+from dataclasses import dataclass as _dataclass  # noqa: E402
+
+
+@_dataclass(frozen=True)
+class DistJob:
+    name: str
+    script: str  # under tests/dist/, or a path from the repository root
+    args: tuple  # "{dir}": this job's folder; "{dir:NAME}": job NAME's folder
+    nproc: int = 2  # 1: a plain one-rank process
+    env: tuple = ()  # extra environment, as (key, value) pairs: jobs with other settings launch apart
+    after: tuple = ()  # jobs whose folders this one reads
+    timeout: int = 600
+
+
+DIST_JOBS: dict[str, DistJob] = {}
+
+
+def dist_job(name: str, script: str, *args: str, nproc: int = 2, env: dict | None = None, after: tuple = (),
+             timeout: int = 600):
+    """Register a check script for the batched launches; returns the mark that tells DistJobs which
+    selected tests need it (put it on those tests, or in the module's ``pytestmark``)."""
+    import pytest
+
+    DIST_JOBS[name] = DistJob(name, script, tuple(args), nproc, tuple(sorted((env or {}).items())), tuple(after),
+                              timeout)
+    return pytest.mark.dist_job(name)
+
+
+class DistJobs:
+    """The session's registered check scripts: ``run(name)`` is the job's folder once it passed
+    (every job the selected tests need runs on the first call), or fails the test with its error."""
+
+    def __init__(self, session, root: Path):
+        self.session, self.root = session, Path(root)
+        self.outcome: dict[str, str | None] = {}  # None: passed, else why not
+        self.launches = 0
+
+    def dir(self, name: str) -> Path:
+        return self.root / name
+
+    def run(self, name: str) -> Path:
+        if name not in self.outcome:
+            self._run_needed(name)
+        if self.outcome[name] is not None:
+            raise AssertionError(f"check job {name} failed:\n{self.outcome[name]}")
+        return self.dir(name)
+
+    def _needed(self, name: str) -> list[str]:
+        wanted = {name} | {m.args[0] for item in self.session.items for m in item.iter_markers("dist_job")}
+        todo = list(wanted)
+        while todo:
+            for dep in DIST_JOBS[todo.pop()].after:
+                if dep not in wanted:
+                    wanted.add(dep)
+                    todo.append(dep)
+        return [n for n in DIST_JOBS if n in wanted and n not in self.outcome]
+
+    def _run_needed(self, name: str) -> None:
+        pending = self._needed(name)
+        while pending:
+            for n in pending:
+                failed = [d for d in DIST_JOBS[n].after if d in self.outcome and self.outcome[d] is not None]
+                if failed:
+                    self.outcome[n] = f"needs job {failed[0]}, which failed"
+            pending = [n for n in pending if n not in self.outcome]
+            ready = [n for n in pending if all(d in self.outcome for d in DIST_JOBS[n].after)]
+            if not ready:
+                for n in pending:
+                    self.outcome[n] = "its jobs after= never became ready"
+                break
+            # first the kind of the ready job with the longest chain of jobs waiting on it
+            first = max(ready, key=lambda n: (self._depth(n, pending), -pending.index(n)))
+            group = self._group(first, pending)
+            self._launch(group)
+            pending = [n for n in pending if n not in self.outcome]
+
+    @staticmethod
+    def _depth(name: str, pending: list[str]) -> int:
+        waiting = [n for n in pending if name in DIST_JOBS[n].after]
+        return 1 + max(DistJobs._depth(n, pending) for n in waiting) if waiting else 0
+
+    def _group(self, first: str, pending: list[str]) -> list[str]:
+        """``first`` and every pending job of the same kind that can run in the same launch after it."""
+        kind = (DIST_JOBS[first].nproc, DIST_JOBS[first].env)
+        group: list[str] = []
+        for n in pending:
+            job = DIST_JOBS[n]
+            if (job.nproc, job.env) == kind and all(d in self.outcome or d in group for d in job.after):
+                group.append(n)
+        return group
+
+    def _args(self, job: DistJob) -> list[str]:
+        def sub(m):
+            return str(self.dir(m.group(1) or job.name))
+        return [_re.sub(r"\{dir(?::(\w+))?\}", sub, a) for a in job.args]
+
+    def _launch(self, group: list[str]) -> None:
+        self.launches += 1
+        status = self.root / "_launches" / str(self.launches)
+        status.mkdir(parents=True)
+        plan = []
+        for n in group:
+            job = DIST_JOBS[n]
+            self.dir(n).mkdir(parents=True, exist_ok=True)
+            script = ROOT / "tests" / "dist" / job.script if "/" not in job.script else ROOT / job.script
+            plan.append({"name": n, "script": str(script), "args": self._args(job)})
+        (status / "plan.json").write_text(json.dumps(plan, indent=1))
+        first = DIST_JOBS[group[0]]
+        runner = str(ROOT / "tests" / "dist" / "run_jobs.py")
+        cmd = [sys.executable, runner] if first.nproc == 1 else [
+            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={first.nproc}",
+            "--master_port", str(free_port()), runner]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **dict(first.env)}
+        for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            env.pop(key, None)
+        # The launch serves many tests and has its own time limit (its jobs' timeouts together): the
+        # per-test limit of pytest-timeout (an interval timer) is paused meanwhile and resumed after.
+        paused = _signal.setitimer(_signal.ITIMER_REAL, 0) if hasattr(_signal, "setitimer") else (0.0, 0.0)
+        log = status / "output.txt"  # written as the launch runs
+        with open(log, "w") as sink:
+            proc = subprocess.Popen([*cmd, str(status / "plan.json"), str(status)], cwd=ROOT, env=env, text=True,
+                                    stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        timed_out = False
+        try:
+            proc.wait(timeout=sum(DIST_JOBS[n].timeout for n in group))
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            timed_out = True
+        except BaseException:  # interrupted: no launch outlives the test that started it
+            _kill_group(proc)
+            for n in group:
+                self.outcome.setdefault(n, "its launch was interrupted")
+            raise
+        finally:
+            if paused[0] > 0:
+                _signal.setitimer(_signal.ITIMER_REAL, paused[0], paused[1])
+        out = log.read_text() + ("\n(the launch timed out)" if timed_out else "")
+        for n in group:
+            oks = list(status.glob(f"{n}.rank*.ok"))
+            errors = sorted(status.glob(f"{n}.rank*.error"))
+            if len(oks) == DIST_JOBS[n].nproc:
+                self.outcome[n] = None
+            elif errors or (status / f"{n}.started").exists():
+                start = out.find(f"===== job {n}:")
+                tail = out[start:] if start >= 0 else out
+                self.outcome[n] = "\n".join([e.read_text() for e in errors] + [
+                    f"launch rc={proc.returncode}; its output ({log}) from this job on:",
+                    tail[-8000:]])
+        if not any(n in self.outcome for n in group):  # the launch ran nothing: no point in another
+            for n in group:
+                self.outcome[n] = f"the launch ran no job (rc={proc.returncode}):\n{out[-8000:]}"
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, _signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+# ------------------------------------------------------------------------------- trainer runs
+
+QUICKSTART = ROOT / "configs" / "quickstart_cpu.yaml"
+QUICKSTART_TIR = ROOT / "configs" / "quickstart_tir_cpu.yaml"
+QUICKSTART_LORA = ROOT / "configs" / "quickstart_lora_cpu.yaml"
+
+# A CI-sized run: fewer, smaller iterations of the quickstart.
+SMALL = [
+    "trainer.progress_bar=false",
+    "trainer.tensorboard=false",
+    "trainer.validate_base=false",
+    "trainer.prompts_per_iteration=16",
+    "trainer.updates_per_iteration=2",
+]
+# The shared synchronous run (tests/conftest.py: sync_run) and every run that resumes or extends it:
+# 3 iterations, a checkpoint after each, every weight sync verified, the phase ledger written.
+SYNC_RUN = ("trainer.iterations=3", "trainer.save_interval=1", "rollout.verify_sync=true", "trainer.phase_ledger=true")
+SEPARATE = ("rollout.placement=separate",)  # engines on their own CPU cores (asynchronous runs)
+TP2_SP = ("parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true")
+PP2 = ("parallel.pipeline_model_parallel_size=2",)
+
+# What a two-rank layout must reproduce of the one-rank run. Rollouts come from the same engine,
+# weights and per-sample seeds (rollout.sampling.per_sample_seeds): equal. The unperturbed old-policy
+# pass (mismatch/*) differs by fp32 summation order only. The loss forward adds ALP noise drawn per
+# (micro-batch, data-parallel rank, pipeline rank, sequence shard), so the first-step loss metrics
+# differ by the noise: at most 4e-3 relative with this seed (2e-2 allowed); with
+# perturbation.init_std=1e-10 every layout agrees with the one-rank run within 3e-6.
+ROLLOUT_KEYS = ("reward/mean", "reward/std", "response_length/mean", "response_length/max",
+                "response/truncated_frac")
+UNPERTURBED_KEYS = ("mismatch/kl_k1", "mismatch/kl_k3", "mismatch/pearson_r")
+LOSS_KEYS = ("loss/policy", "loss/total", "kl_ref/mean", "entropy/mean", "ratio/p2", "ratio/p50", "ratio/p98",
+             "grad_norm")
+
+
+def train(run_dir: Path, *overrides: str, env: dict | None = None, nproc: int = 1, wait: bool = True,
+          config: Path = QUICKSTART):
+    """``megatron-alp train`` under torchrun at CI size; ``(returncode, output)``, or the process
+    (``wait=False``)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           "--master_port", str(free_port()), "-m", "megatron_alp.cli", "train", str(config),
+           f"trainer.output_dir={run_dir}", *SMALL, *overrides]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    if not wait:
+        return proc
+    out, _ = proc.communicate(timeout=900)
+    return proc.returncode, out
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def copy_run(run: Path, to: Path, base_model_only: bool = False) -> Path:
+    """A copy of a shared run to kill, corrupt or resume (the shared one stays as it was); with
+    ``base_model_only`` just its warm-started base model, so the copy skips the warm start."""
+    if base_model_only:
+        shutil.copytree(run / "base_model", to / "base_model")
+    else:
+        shutil.copytree(run, to, ignore=shutil.ignore_patterns(".lock"))
+    return to
+
+
+# ------------------------------------------------------------------------------- published facts
+
+# Published architecture facts of the models the configs name (config.json of each checkpoint):
+# layers, attention heads, KV heads.
+MODELS = {
+    "Qwen2.5-Math-1.5B": (28, 12, 2),
+    "Qwen3-4B": (36, 32, 8),
+    "Qwen2.5-7B": (28, 28, 4),
+    "Qwen3-30B-A3B-Base": (48, 32, 4),
+    "Qwen3-16B-A3B": (48, 32, 4),
+    "Qwen2.5-32B": (64, 40, 8),
+}
+
+
+# ------------------------------------------------------------------ rollout engines against a reference
+# The vLLM engine tests (tests/test_vllm_engine.py, tests/test_vllm_lora.py) compare an engine's
+# logprobs with those of a float32 Hugging Face model on the engine's own tokens.
+
+ENGINE_PROMPTS = [[1, 5, 6, 7, 8, 9], [1, 20, 21], [1, 300, 301, 302, 303, 304, 305, 306]]
+FP32_TOL = 1e-4  # float32 engine vs float32 transformers on the same tokens: equal up to summation order
+
+
+def rollout_cfg(**overrides):
+    """A float32 engine for tiny models (context 256), with one retry."""
+    from megatron_alp.config import RolloutConfig, SamplingConfig
+
+    base = dict(dtype="float32", max_model_len=256, request_timeout_s=120.0, max_retries=1,
+                sampling=SamplingConfig(max_prompt_length=64, max_response_length=64))
+    return RolloutConfig(**{**base, **overrides})
+
+
+def hf_model(model_dir, state=None):
+    """The float32 Hugging Face model of ``model_dir`` (with ``state`` loaded over its weights)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if state is not None:
+        model.load_state_dict(state, strict=False)
+    return model
+
+
+def filtered_log_softmax(logits, temperature=1.0, top_p=1.0, top_k=-1):
+    """log of the distribution actually sampled from: tempered, top-k then top-p, renormalised."""
+    import torch
+
+    x = logits.double() / temperature
+    if top_k > 0:
+        kth = x.topk(top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        probs, order = x.softmax(-1).sort(dim=-1, descending=True)
+        before = probs.cumsum(-1) - probs  # mass of the more likely tokens
+        drop = torch.zeros_like(x, dtype=torch.bool).scatter(-1, order, before >= top_p)
+        x = x.masked_fill(drop, float("-inf"))
+    return torch.log_softmax(x, dim=-1)
+
+
+def reference_logprobs(model, completion, **sampling):
+    """The reference model's logprobs of a completion's response tokens under ``sampling``."""
+    import torch
+
+    ids = completion.prompt_ids + completion.response_ids
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0]
+    p = len(completion.prompt_ids)
+    logp = filtered_log_softmax(logits[p - 1: -1], **sampling)
+    return logp.gather(-1, torch.tensor(completion.response_ids).unsqueeze(-1)).squeeze(-1)
+
+
+def max_diff(model, groups, **sampling) -> float:
+    """max |engine logprob - reference logprob| over every sampled token of ``groups``."""
+    import torch
+
+    return max(
+        (reference_logprobs(model, c, **sampling) - torch.tensor(c.logprobs, dtype=torch.float64)).abs().max().item()
+        for g in groups for c in g
+    )
+
+
+def kill_engine(engine, timeout: float = 30.0) -> None:
+    """SIGKILL an engine's engine-core process(es) and wait until they are gone, and vLLM's workers
+    they started with them (a worker ends when it sees its parent gone; a restarted engine must
+    not meet it). The shared-memory janitors (megatron_alp/runtime/shm_janitor.py) outlive them by
+    design."""
+    import signal
+    import time
+
+    import psutil
+
+    pids = engine.engine_pids()
+    assert pids, "the engine core should run in its own process"
+    family = list(pids)
+    for pid in pids:
+        try:
+            children = psutil.Process(pid).children(recursive=True)
+        except psutil.Error:
+            continue
+        for child in children:
+            try:
+                if not any(arg.endswith("shm_janitor.py") for arg in child.cmdline()):
+                    family.append(child.pid)
+            except psutil.Error:  # gone already
+                pass
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    while any(running(pid) for pid in family) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not any(running(pid) for pid in family), "the killed engine's processes are still running"
+
+
+def cli_printed(argv: list[str]) -> tuple[int, str]:
+    """``megatron-alp ARGV`` in this process, with everything written to descriptor 1 and to
+    ``sys.stdout`` meanwhile (the terminal's lines): ``(exit status, that text)``. For session
+    fixtures, which cannot use capfd."""
+    import contextlib
+    import tempfile
+
+    from megatron_alp.cli import main as cli_main
+
+    with tempfile.TemporaryFile(mode="w+") as out:
+        sys.stdout.flush()
+        saved = os.dup(1)
+        os.dup2(out.fileno(), 1)
+        stream = os.fdopen(os.dup(1), "w", buffering=1)
+        try:
+            with contextlib.redirect_stdout(stream):
+                rc = cli_main(argv)
+        finally:
+            stream.close()
+            os.dup2(saved, 1)
+            os.close(saved)
+        out.seek(0)
+        return rc, out.read()
+

@@ -2,7 +2,7 @@
 single-rank model's (torchrun, gloo), and unsupported families and layouts are named errors."""
 
 import pytest
-from helpers import read_results, torchrun
+from helpers import dist_job, read_results
 
 from megatron_alp.config import ParallelConfig
 from megatron_alp.models.families import hf_to_megatron
@@ -10,11 +10,15 @@ from megatron_alp.models.tiny import tiny_hf_config
 from megatron_alp.training.builder import check_parallel_layout
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "qwen3_moe"])
-def test_parallel_layouts_match_single_rank_logits(family, tmp_path):
+FAMILIES = ["qwen2", "qwen3", "llama", "qwen3_moe"]
+LOGITS = {family: dist_job(f"parallel_logits_{family}", "check_parallel_logits.py", family, "{dir}/r.json")
+          for family in FAMILIES}
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=LOGITS[f]) for f in FAMILIES])
+def test_parallel_layouts_match_single_rank_logits(family, dist_jobs):
     """TP=2 with and without sequence parallel, PP=2 (and EP=2 for MoE) give TP=1 logits."""
-    torchrun("check_parallel_logits.py", family, str(tmp_path / "r.json"))
-    diffs = read_results(tmp_path / "r.json")
+    diffs = read_results(dist_jobs.run(f"parallel_logits_{family}") / "r.json")
     assert len(diffs) == 3 and max(diffs.values()) < 2e-5
 
 

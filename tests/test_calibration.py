@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from helpers import read_results, torchrun
+from helpers import dist_job, read_results
 
 from megatron_alp.config import InputError, PerturbationConfig
 from megatron_alp.training import calibration
@@ -27,13 +27,15 @@ from megatron_alp.training.micro_batch import Batching, micro_batches
 from megatron_alp.training.rl_batch import RLBatch
 
 
+CALIBRATION = dist_job("calibration", "check_calibration.py", "{dir}/result.json")
+
+
 @pytest.fixture(scope="module")
-def calibrated(tmp_path_factory):
-    out = tmp_path_factory.mktemp("calibration") / "result.json"
-    torchrun("check_calibration.py", str(out))
-    return read_results(out)
+def calibrated(dist_jobs):
+    return read_results(dist_jobs.run("calibration") / "result.json")
 
 
+@CALIBRATION
 @pytest.mark.parametrize("run", ["dp2/1", "pp2/1", "tp2_sp/1", "dp2/4"])
 def test_the_perturbed_kl_meets_its_target_for_noise_the_search_never_drew(calibrated, run):
     """KL(pi_train || pi_train,sigma), estimated by the check script's own arithmetic over eight
@@ -49,6 +51,7 @@ def test_the_perturbed_kl_meets_its_target_for_noise_the_search_never_drew(calib
     assert r["metrics"]["calibration/evaluations"] <= 6
 
 
+@CALIBRATION
 @pytest.mark.parametrize("run", ["dp2/1", "pp2/1", "tp2_sp/1", "dp2/4"])
 def test_calibration_leaves_the_logprob_passes_unperturbed(calibrated, run):
     assert calibrated[run]["unperturbed_unchanged"] is True
@@ -62,6 +65,7 @@ def _per_layer(sigmas: list[dict]) -> dict:
     return merged
 
 
+@CALIBRATION
 def test_every_layout_sets_the_same_sigmas_relative_to_the_layer_inputs(calibrated):
     """sigma_h = scale x RMS(input of layer h): sigma / scale is the layer's input RMS, the same in
     every layout (up to the sums' order); replicas (DP, TP) hold identical sigmas; a 4x KL target

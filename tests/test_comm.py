@@ -10,19 +10,18 @@ from __future__ import annotations
 import math
 
 import pytest
-from helpers import read_results, torchrun
-from test_trainer import metrics, train
+from helpers import ROOT, dist_job, metrics, read_results, train
 
 CHECK = {"MEGATRON_ALP_CHECK_COLLECTIVE_DEVICES": "1"}
+COMM = dist_job("comm", "check_comm.py", "{dir}/result.json", env=CHECK)
 
 
 @pytest.fixture(scope="module")
-def checks(tmp_path_factory) -> dict:
-    path = tmp_path_factory.mktemp("comm") / "result.json"
-    torchrun("check_comm.py", str(path), env=CHECK)
-    return read_results(path)
+def checks(dist_jobs) -> dict:
+    return read_results(dist_jobs.run("comm") / "result.json")
 
 
+@COMM
 @pytest.mark.parametrize("case, collective, backend, held_on, shape", [
     ("cpu_on_default_group", "all_reduce", "NCCL", "CPU", "(3,), torch.float32"),
     ("cpu_on_dp_group", "all_reduce", "NCCL", "CPU", "(2,), torch.float64"),
@@ -39,6 +38,7 @@ def test_the_checker_refuses_a_tensor_on_the_wrong_device_for_its_group(checks, 
     assert f"(shape {shape})" in message, message
 
 
+@COMM
 def test_tensors_on_comm_device_pass_and_arrive(checks):
     c = checks["collectives"]
     for case in ("comm_device_on_dp_group", "comm_device_on_cpu_group", "comm_device_p2p", "objects"):
@@ -48,6 +48,7 @@ def test_tensors_on_comm_device_pass_and_arrive(checks):
     assert c["devices"] == {"default": "cuda:0", "dp": "cuda:0", "cpu_group": "cpu", "megatron_gloo_dp": "cpu"}
 
 
+@COMM
 def test_tensors_are_tracked_where_a_gpu_job_places_them(checks):
     t = checks["tracking"]
     assert t == {
@@ -57,6 +58,7 @@ def test_tensors_are_tracked_where_a_gpu_job_places_them(checks):
     }
 
 
+@COMM
 def test_a_tensor_parallel_update_passes_the_checker(checks):
     """TP=2 with sequence parallelism: Megatron's TP/SP collectives and our vocab-parallel logprob
     reductions."""
@@ -70,15 +72,20 @@ def test_a_tensor_parallel_update_passes_the_checker(checks):
     pytest.param("pp2", ("parallel.pipeline_model_parallel_size=2",), marks=pytest.mark.slow),
 ])
 def test_the_trainer_runs_under_the_checker(tmp_path, layout, overrides):
-    """One CI-sized iteration: rollouts, the reward broadcast, logprob passes, updates with DP
-    gradient reduction, MoE all-to-all (with R2 routing replay: its TP gathers, metric reductions and
-    the micro-batch count agreement) or pipeline send/recv, metrics, weight sync, checkpoint."""
+    """One iteration of the smallest shape that runs every collective of one: rollouts on both
+    replicas, the reward broadcast, logprob passes, an update with DP gradient reduction, MoE
+    all-to-all (with R2 routing replay: its TP gathers, metric reductions and the micro-batch count
+    agreement) or pipeline send/recv, metrics, weight sync, checkpoint, validation (4 problems, k=1)."""
     run = tmp_path / layout
-    rc, out = train(run, "trainer.iterations=1", "trainer.prompts_per_iteration=8", "trainer.sft_warmup_steps=0",
-                    *overrides, nproc=2, env=CHECK)
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join((ROOT / "data" / "largest" / "val.jsonl").read_text().splitlines(True)[:4]))
+    rc, out = train(run, "trainer.iterations=1", "trainer.prompts_per_iteration=2", "trainer.updates_per_iteration=1",
+                    "trainer.sft_warmup_steps=0", "rollout.sampling.max_response_length=12", "eval.k=1",
+                    f"data.val_files=[{val}]", *overrides, nproc=2, env=CHECK)
     assert rc == 0, out[-6000:]
     (m,) = metrics(run)
-    assert m["iteration"] == 0 and m["update/skipped"] == 0, m
+    assert m["iteration"] == 0 and m["update/skipped"] == 0 and m["batch/groups"] == 2, m
+    assert m["rollout/replicas"] == 2 and "val/reward_mean" in m, m
     for key in ("loss/total", "ratio/p50", "grad_norm", "mismatch/kl_k3", "sigma/mean"):
         assert math.isfinite(m[key]), (key, m)
     assert (run / "checkpoints" / "iter_0000001").is_dir()

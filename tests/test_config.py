@@ -130,3 +130,16 @@ def test_auto_sigma_with_top_p_or_top_k_is_refused(sampling):
     with pytest.raises(ConfigError, match=r"perturbation\.init_std: auto with rollout\.sampling\.top_p=.*top_k="):
         config_from_dict({**_minimal(), "perturbation": {"init_std": "auto"}, "rollout": {"sampling": sampling}})
     config_from_dict({**_minimal(), "perturbation": {"init_std": 1e-4}, "rollout": {"sampling": sampling}})
+
+
+def test_per_layer_calibration_on_gpus_needs_an_eager_engine():
+    """vLLM's compiled model and CUDA graphs never run the hooks that capture the layer inputs: a GPU
+    run is refused at load, naming the key; the CPU engine is always eager."""
+    def per_layer(**rollout):
+        return _minimal(perturbation={"init_std": "auto", "calibration_mode": "per_layer"}, rollout=rollout)
+
+    with pytest.raises(ConfigError, match=r"perturbation\.calibration_mode: per_layer on GPUs needs "
+                                          r"rollout\.enforce_eager: true"):
+        config_from_dict(per_layer(), gpu=True)
+    assert config_from_dict(per_layer(enforce_eager=True), gpu=True).rollout.enforce_eager
+    assert config_from_dict(per_layer(), gpu=False).perturbation.calibration_mode == "per_layer"

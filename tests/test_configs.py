@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+from helpers import MODELS
 
 from megatron_alp.config import TIR_SYSTEM_PROMPT, ConfigError, DataConfig, parse_layer_selection
 from megatron_alp.resolve import config_from_dict, load_config
@@ -15,16 +16,6 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 PAPER = [p for p in CONFIGS if not p.name.startswith("quickstart")]
 
-# Published architecture facts of the models the configs name (config.json of each checkpoint):
-# layers, attention heads, KV heads.
-MODELS = {
-    "Qwen2.5-Math-1.5B": (28, 12, 2),
-    "Qwen3-4B": (36, 32, 8),
-    "Qwen2.5-7B": (28, 28, 4),
-    "Qwen3-30B-A3B-Base": (48, 32, 4),
-    "Qwen3-16B-A3B": (48, 32, 4),
-    "Qwen2.5-32B": (64, 40, 8),
-}
 TOKEN_LOSSES = {"alp_token", "grpo", "token_mis", "token_tis"}
 EXPECTED = {  # the paper's experiments, each a ready config
     "qwen2.5-math-1.5b_token_alp": "alp_token", "qwen2.5-math-1.5b_seq_alp": "alp_seq",

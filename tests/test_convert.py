@@ -1,6 +1,11 @@
 """HF <-> Megatron conversion: mapping, logits vs transformers, bit-exact round trips, resharding,
 optimizer checkpoints, the CLI (incl. vLLM loading the export, and trainer checkpoints exporting
-on their own) and bad input."""
+on their own) and bad input.
+
+The multi-rank checks run in tests/dist/check_convert.py and check_convert_checkpoint.py; the CLI's
+conversions run by its own entry, one after the other in one process, in check_convert_cli.py (a
+two-rank command launches its ranks itself); bad input, refused before any rank starts, runs here
+through the same entry; one conversion runs as a real process, for what its terminal shows."""
 
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, read_results, torchrun
+from helpers import ROOT, dist_job, read_results
 from safetensors.torch import load_file, save_file
 
 from megatron_alp.models.families import load_hf_config
@@ -22,35 +27,58 @@ from megatron_alp.models.tiny import make_tiny_model
 from megatron_alp.models.weight_mapping import WeightMapping
 
 FAMILIES = ["qwen2", "qwen3", "llama", "qwen3_moe"]
+SEEDS = {"qwen2": 10, "qwen3": 11, "llama": 12, "qwen3_moe": 13}  # as tests/dist/check_convert.py makes them
 TOL = 1e-4  # fp32 max |logit diff| vs transformers
+
+# every family at TP=2 / PP=2 (EP=2 for MoE) + checkpoints with sigmas; checkpoints with optimizer state
+# saved as the trainer saves them; then the CLI's conversions of both
+DIST = dist_job("convert", "check_convert.py", "{dir}", "{dir}/results.json", *FAMILIES)
+CHECKPOINTS = dist_job("convert_checkpoint", "check_convert_checkpoint.py", "{dir}", "{dir}/results.json")
+CLI = dist_job("convert_cli", "check_convert_cli.py", "{dir}", "{dir:convert}", "{dir:convert_checkpoint}", nproc=1,
+               after=("convert", "convert_checkpoint"))
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("convert_models")
-    for i, family in enumerate(FAMILIES):
-        make_tiny_model(family, root / family, seed=10 + i)
+    for family in FAMILIES:
+        make_tiny_model(family, root / family, seed=SEEDS[family])
     return root
 
 
 @pytest.fixture(scope="module")
-def dist_run(models, tmp_path_factory):
-    """One torchrun job: every family at TP=2 / PP=2 (EP=2 for MoE) + checkpoints with sigmas."""
-    work = tmp_path_factory.mktemp("convert_dist")
-    for family in FAMILIES:
-        shutil.copytree(models / family, work / family)
-    out = work / "results.json"
-    torchrun("check_convert.py", str(work), str(out), *FAMILIES)
-    return work, read_results(out)
+def dist_run(dist_jobs):
+    work = dist_jobs.run("convert")
+    return work, read_results(work / "results.json")
 
 
-def convert(*args: str, expect_ok: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "megatron_alp.cli", "convert", *args], capture_output=True,
-                          text=True, env=env, cwd=ROOT, timeout=600)
-    if expect_ok and proc.returncode != 0:
-        raise AssertionError(f"convert {' '.join(args)} failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}")
-    return proc
+@pytest.fixture(scope="module")
+def checkpoint_run(dist_jobs):
+    work = dist_jobs.run("convert_checkpoint")
+    return work, read_results(work / "results.json")
+
+
+@pytest.fixture(scope="module")
+def cli_run(dist_jobs):
+    """(check_convert_cli.py's folder, its commands: step -> rc, out, err), and the folders it read."""
+    work = dist_jobs.run("convert_cli")
+    return work, json.loads((work / "commands.json").read_text()), dist_jobs.dir("convert")
+
+
+def ok(commands: dict, step: str) -> dict:
+    c = commands[step]
+    assert c["rc"] == 0, f"convert {step} failed (rc={c['rc']}):\n{c['err'][-6000:]}"
+    return c
+
+
+def convert_here(capsys, *args: str) -> tuple[int, str]:
+    """`megatron-alp convert ARGS` by its entry in this process, for bad input (refused before any rank
+    starts, so nothing here makes a process group): (status, stderr)."""
+    from megatron_alp.cli import main
+
+    capsys.readouterr()
+    rc = main(["convert", *args])
+    return rc, capsys.readouterr().err
 
 
 def hf_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
@@ -130,11 +158,12 @@ def test_te_spec_names_map_to_the_same_rules(models):
 # ------------------------------------------------------------------------ distributed (gloo)
 
 
+@DIST
 def test_every_family_matches_transformers_and_round_trips(dist_run):
-    _, results = dist_run
+    work, results = dist_run
     for family in FAMILIES:
         r = results[family]
-        n = len(load_file(dist_run[0] / family / "model.safetensors"))
+        n = len(load_file(work / family / "model.safetensors"))
         for layout in ("tp2_pp1_ep1", "tp1_pp2_ep1") + (("tp1_pp1_ep2",) if family == "qwen3_moe" else ()):
             assert r[f"{layout}_logit_diff"] < TOL, (family, layout, r)
             assert r[f"{layout}_exported"] == n, (family, layout, r)
@@ -144,15 +173,7 @@ def test_every_family_matches_transformers_and_round_trips(dist_run):
     assert results["qwen3_moe"]["expert_tensors"] == 48
 
 
-@pytest.fixture(scope="module")
-def checkpoint_run(tmp_path_factory):
-    """One torchrun job: checkpoints with optimizer state, saved as the trainer saves them."""
-    work = tmp_path_factory.mktemp("convert_checkpoint")
-    out = work / "results.json"
-    torchrun("check_convert_checkpoint.py", str(work), str(out))
-    return work, read_results(out)
-
-
+@CHECKPOINTS
 def test_optimizer_checkpoint_resumes_exactly(checkpoint_run):
     _, r = checkpoint_run
     assert r["distopt0_float32"] == r["distopt1_bfloat16"] == "resumed step identical"
@@ -166,17 +187,20 @@ def test_optimizer_checkpoint_resumes_exactly(checkpoint_run):
 # ------------------------------------------------------------------------------------- CLI
 
 
-def test_cli_trainer_checkpoint_exports_without_hf_ref(checkpoint_run, tmp_path):
+@CHECKPOINTS
+@CLI
+def test_cli_trainer_checkpoint_exports_without_hf_ref(checkpoint_run, cli_run, tmp_path, capsys):
     """A checkpoint saved as the trainer saves it holds the HF config and tokenizer: mcore-to-hf
     needs nothing else, and transformers loads the export with the trained Megatron model's
     logits and the original tokenizer. One that holds neither asks for --hf-ref."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     work, _ = checkpoint_run
-    base, out = work / "base_model", tmp_path / "hf"
+    cli, commands, _ = cli_run
+    ok(commands, "trainer_export")
+    base, out = work / "base_model", cli / "trainer_hf"
     ckpt = work / "ckpt_distopt0_float32" / "checkpoints" / "iter_0000002"
     assert json.loads((ckpt / "megatron_alp.json").read_text())["hf_config"] == load_hf_config(base)
-    convert("mcore-to-hf", "--mcore", str(ckpt), "--out", str(out))
     assert json.loads((out / "config.json").read_text()) == {**load_hf_config(base), "dtype": "float32"}
     reference = torch.load(work / "export_reference.pt")
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
@@ -190,10 +214,10 @@ def test_cli_trainer_checkpoint_exports_without_hf_ref(checkpoint_run, tmp_path)
     assert exported.apply_chat_template(chat, tokenize=False) == original.apply_chat_template(chat, tokenize=False)
 
     old = work / "crash_run" / "checkpoints" / "iter_0000001"  # saved without the HF model directory
-    proc = convert("mcore-to-hf", "--mcore", str(old), "--out", str(tmp_path / "no_ref"), expect_ok=False)
-    assert proc.returncode == 2
-    assert f"{old / 'megatron_alp.json'}: the checkpoint records no HF config" in proc.stderr, proc.stderr[-2000:]
-    assert "pass --hf-ref" in proc.stderr
+    rc, err = convert_here(capsys, "mcore-to-hf", "--mcore", str(old), "--out", str(tmp_path / "no_ref"))
+    assert rc == 2
+    assert f"{old / 'megatron_alp.json'}: the checkpoint records no HF config" in err, err[-2000:]
+    assert "pass --hf-ref" in err
     _no_output(tmp_path / "no_ref")
 
 
@@ -203,14 +227,17 @@ def _logit_diff(output: str) -> float:
     return float(m.group(1))
 
 
-def test_cli_moe_expert_parallel_round_trip(models, tmp_path):
-    """hf-to-mcore at EP=2, export on one rank into sharded safetensors: every expert survives."""
-    hf, ckpt, out = models / "qwen3_moe", tmp_path / "mcore", tmp_path / "hf"
-    convert("hf-to-mcore", "--hf", str(hf), "--out", str(ckpt), "--ep", "2")
+@CLI
+def test_cli_moe_expert_parallel_round_trip(cli_run):
+    """hf-to-mcore at EP=2 (the command launches its two ranks), export on one rank into sharded
+    safetensors: every expert survives."""
+    cli, commands, convert_dir = cli_run
+    hf, ckpt, out = convert_dir / "qwen3_moe", cli / "moe_mcore", cli / "moe_hf"
+    ok(commands, "moe_to_mcore")
     meta = json.loads((ckpt / "megatron_alp.json").read_text())
     assert meta["layout"]["expert_model_parallel_size"] == 2 and meta["dtype"] == "float32"
     assert (ckpt / "hf" / "tokenizer.json").is_file()
-    convert("mcore-to-hf", "--mcore", str(ckpt), "--out", str(out), "--max-shard-size", "200KB")
+    ok(commands, "moe_to_hf")
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     exported = assert_bit_exact(hf, out)
@@ -221,28 +248,42 @@ def test_cli_moe_expert_parallel_round_trip(models, tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(out)
     assert type(model).__name__ == "Qwen3MoeForCausalLM"
-    proc = convert("verify", "--hf", str(hf), "--mcore", str(ckpt))
-    assert _logit_diff(proc.stdout) < TOL
+    assert _logit_diff(ok(commands, "moe_verify")["out"]) < TOL
 
 
-def test_cli_bf16_stays_bf16_and_loads_in_vllm(tmp_path):
-    """A bf16 checkpoint converts to a bf16 Megatron checkpoint and back bit-exactly; vLLM serves
-    the export with transformers' log-probabilities."""
-    hf, ckpt, out = tmp_path / "qwen3_bf16", tmp_path / "mcore", tmp_path / "hf"
+def test_a_conversion_says_one_line_and_logs_the_rest(tmp_path):
+    """A real `megatron-alp convert` process: the terminal gets one line saying what was written where
+    (nothing on stderr, import-time warnings included); library output goes to the log."""
+    hf, ckpt = tmp_path / "qwen3_bf16", tmp_path / "mcore"
     make_tiny_model("qwen3", hf, seed=3, dtype="bfloat16")
-    proc = convert("hf-to-mcore", "--hf", str(hf), "--out", str(ckpt))
-    # the terminal gets one line saying what was written where; library output goes to the log
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "megatron_alp.cli", "convert", "hf-to-mcore", "--hf", str(hf),
+                           "--out", str(ckpt)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
     assert proc.stdout.strip().splitlines() == [
         f"megatron-alp convert hf-to-mcore: wrote {ckpt} ({len([f for f in ckpt.rglob('*') if f.is_file()])} files, "
         f"{sum(f.stat().st_size for f in ckpt.rglob('*') if f.is_file()) / 2**20:.1f} MiB); library output in "
         f"{ckpt.with_name('mcore.convert.log')}"], proc.stdout + proc.stderr
     assert proc.stderr == "" and "Apex" in ckpt.with_name("mcore.convert.log").read_text()
     assert json.loads((ckpt / "megatron_alp.json").read_text())["dtype"] == "bfloat16"
-    convert("mcore-to-hf", "--mcore", str(ckpt), "--out", str(out))
+
+
+@CLI
+def test_cli_bf16_stays_bf16_and_loads_in_vllm(cli_run):
+    """A bf16 checkpoint converts to a bf16 Megatron checkpoint and back bit-exactly; vLLM serves
+    the export with transformers' log-probabilities."""
+    cli, commands, _ = cli_run
+    hf, ckpt, out = cli / "qwen3_bf16", cli / "bf16_mcore", cli / "bf16_hf"
+    assert ok(commands, "bf16_to_mcore")["out"].strip().splitlines() == [  # our one line; the rest in the log
+        f"megatron-alp convert hf-to-mcore: wrote {ckpt} ({len([f for f in ckpt.rglob('*') if f.is_file()])} files, "
+        f"{sum(f.stat().st_size for f in ckpt.rglob('*') if f.is_file()) / 2**20:.1f} MiB); library output in "
+        f"{ckpt.with_name('bf16_mcore.convert.log')}"]
+    assert json.loads((ckpt / "megatron_alp.json").read_text())["dtype"] == "bfloat16"
+    ok(commands, "bf16_to_hf")
     exported = assert_bit_exact(hf, out)
     assert all(t.dtype == torch.bfloat16 for t in exported.values())
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
-    assert _logit_diff(convert("verify", "--hf", str(hf), "--mcore", str(ckpt)).stdout) < TOL
+    assert _logit_diff(ok(commands, "bf16_verify")["out"]) < TOL
 
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
@@ -263,34 +304,23 @@ def test_cli_bf16_stays_bf16_and_loads_in_vllm(tmp_path):
     assert (engine_lp - ref_lp).abs().max().item() < 1e-3
 
 
-def test_cli_reshard_keeps_sigmas_and_export_drops_them(dist_run, models, tmp_path):
+@CLI
+def test_cli_reshard_keeps_sigmas_and_export_drops_them(cli_run, tmp_path, capsys):
     """A TP=2 checkpoint with ALP sigmas on layers 1 and 3, resharded to one rank: each sigma
     stays on its layer; the HF export has no sigma and equals the original HF model."""
-    work, _ = dist_run
-    src, resharded, out = work / "qwen2_ckpt", tmp_path / "resharded", tmp_path / "hf"
-    convert("reshard", "--mcore", str(src), "--out", str(resharded))
+    cli, commands, convert_dir = cli_run
+    resharded, out = cli / "resharded", cli / "resharded_hf"
+    ok(commands, "reshard")
     meta = json.loads((resharded / "megatron_alp.json").read_text())
     assert meta["layout"]["world_size"] == 1 and meta["perturbation"]["layers"] == "1,3"
     assert meta["extra"] == {"iteration": 3}
-    code = (
-        "import os, json, torch.distributed as dist\n"
-        "from megatron_alp.runtime.parallel import free_port\n"
-        "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(free_port()), RANK='0', WORLD_SIZE='1')\n"
-        "dist.init_process_group('gloo')\n"
-        "from megatron.core import dist_checkpointing\n"
-        f"t = dist_checkpointing.load_plain_tensors({str(resharded)!r})\n"
-        "print(json.dumps({k: v.tolist() for k, v in t.items() if 'alp_perturbation' in k}))\n"
-    )
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    sigmas = json.loads(proc.stdout.strip().splitlines()[-1])
+    sigmas = json.loads((cli / "sigmas.json").read_text())
     assert sigmas == {"decoder.layers.1.alp_perturbation.log_sigma": [-2.0],
                       "decoder.layers.3.alp_perturbation.log_sigma": [-4.0]}
-    proc = convert("mcore-to-hf", "--mcore", str(resharded), "--out", str(tmp_path / "no_ref"), expect_ok=False)
-    assert proc.returncode != 0 and "--hf-ref" in proc.stderr  # no tokenizer files in this checkpoint
-    convert("mcore-to-hf", "--mcore", str(resharded), "--out", str(out), "--hf-ref", str(models / "qwen2"))
-    exported = assert_bit_exact(models / "qwen2", out)
+    rc, err = convert_here(capsys, "mcore-to-hf", "--mcore", str(resharded), "--out", str(tmp_path / "no_ref"))
+    assert rc != 0 and "--hf-ref" in err  # no tokenizer files in this checkpoint
+    ok(commands, "resharded_to_hf")
+    exported = assert_bit_exact(convert_dir / "qwen2", out)
     assert not [n for n in exported if "alp" in n]
     assert (out / "tokenizer.json").is_file()
 
@@ -303,19 +333,19 @@ def _no_output(out: Path) -> None:
     assert not list(out.parent.glob(out.name + ".tmp-*")), "temporary output left behind"
 
 
-def test_bad_architecture(models, tmp_path):
+def test_bad_architecture(models, tmp_path, capsys):
     hf = tmp_path / "mistral"
     shutil.copytree(models / "llama", hf)
     cfg = json.loads((hf / "config.json").read_text())
     cfg.update(architectures=["MistralForCausalLM"], model_type="mistral")
     (hf / "config.json").write_text(json.dumps(cfg))
-    proc = convert("hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "out"), expect_ok=False)
-    assert proc.returncode == 2
-    assert "unsupported architecture ['MistralForCausalLM']" in proc.stderr, proc.stderr[-2000:]
+    rc, err = convert_here(capsys, "hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "out"))
+    assert rc == 2
+    assert "unsupported architecture ['MistralForCausalLM']" in err, err[-2000:]
     _no_output(tmp_path / "out")
 
 
-def test_missing_shard_and_unmapped_tensor(models, tmp_path):
+def test_missing_shard_and_unmapped_tensor(models, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
     sharded = tmp_path / "sharded"
@@ -325,8 +355,8 @@ def test_missing_shard_and_unmapped_tensor(models, tmp_path):
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
     victim = sorted(set(index["weight_map"].values()))[1]
     (sharded / victim).unlink()
-    proc = convert("hf-to-mcore", "--hf", str(sharded), "--out", str(tmp_path / "out"), expect_ok=False)
-    assert proc.returncode == 2 and f"{victim}: shard listed in model.safetensors.index.json is missing" in proc.stderr
+    rc, err = convert_here(capsys, "hf-to-mcore", "--hf", str(sharded), "--out", str(tmp_path / "out"))
+    assert rc == 2 and f"{victim}: shard listed in model.safetensors.index.json is missing" in err
     _no_output(tmp_path / "out")
 
     extra = tmp_path / "extra"
@@ -334,36 +364,34 @@ def test_missing_shard_and_unmapped_tensor(models, tmp_path):
     tensors = load_file(extra / "model.safetensors")
     tensors["model.layers.0.mlp.experts.gate_up_proj"] = torch.zeros(4, 64, 64)
     save_file(tensors, extra / "model.safetensors", metadata={"format": "pt"})
-    proc = convert("hf-to-mcore", "--hf", str(extra), "--out", str(tmp_path / "out2"), expect_ok=False)
-    assert proc.returncode == 2
-    assert "model.layers.0.mlp.experts.gate_up_proj has no Megatron parameter" in proc.stderr, proc.stderr[-2000:]
+    rc, err = convert_here(capsys, "hf-to-mcore", "--hf", str(extra), "--out", str(tmp_path / "out2"))
+    assert rc == 2
+    assert "model.layers.0.mlp.experts.gate_up_proj has no Megatron parameter" in err, err[-2000:]
     _no_output(tmp_path / "out2")
 
 
-def test_shape_mismatch_on_two_ranks_leaves_nothing(models, tmp_path):
-    hf = tmp_path / "bad_shape"
-    shutil.copytree(models / "qwen2", hf)
-    tensors = load_file(hf / "model.safetensors")
-    hidden, ffn = tensors["model.layers.2.mlp.down_proj.weight"].shape
-    tensors["model.layers.2.mlp.down_proj.weight"] = torch.zeros(hidden, ffn - 32)
-    save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
-    out = tmp_path / "out"
-    proc = convert("hf-to-mcore", "--hf", str(hf), "--out", str(out), "--tp", "2", expect_ok=False)
-    assert proc.returncode != 0
-    assert (f"model.layers.2.mlp.down_proj.weight: shape ({hidden}, {ffn - 32}) does not fit Megatron parameter "
-            f"decoder.layers.2.mlp.linear_fc2.weight of shape ({hidden}, {ffn})") in proc.stderr, proc.stderr[-3000:]
-    _no_output(out)
+@CLI
+def test_shape_mismatch_on_two_ranks_leaves_nothing(cli_run):
+    """hf-to-mcore --tp 2 of a qwen2 model with one tensor too narrow: the two ranks it launched fail
+    naming the tensor and the parameter, and nothing is left behind."""
+    cli, commands, _ = cli_run
+    hidden, ffn = load_file(cli / "bad_shape" / "model.safetensors")["model.layers.2.mlp.down_proj.weight"].shape
+    c = commands["shape_mismatch"]
+    assert c["rc"] != 0
+    assert (f"model.layers.2.mlp.down_proj.weight: shape ({hidden}, {ffn}) does not fit Megatron parameter "
+            f"decoder.layers.2.mlp.linear_fc2.weight of shape ({hidden}, {ffn + 32})") in c["err"], c["err"][-3000:]
+    _no_output(cli / "bad_shape_mcore")
 
 
-def test_layout_and_output_errors(models, tmp_path):
-    proc = convert("hf-to-mcore", "--hf", str(models / "qwen3"), "--out", str(tmp_path / "out"), "--tp", "3",
-                   expect_ok=False)
-    assert proc.returncode == 2
-    assert "parallel.tensor_model_parallel_size=3 does not divide the model's num_attention_heads=4" in proc.stderr
+def test_layout_and_output_errors(models, tmp_path, capsys):
+    rc, err = convert_here(capsys, "hf-to-mcore", "--hf", str(models / "qwen3"), "--out", str(tmp_path / "out"),
+                           "--tp", "3")
+    assert rc == 2
+    assert "parallel.tensor_model_parallel_size=3 does not divide the model's num_attention_heads=4" in err
     _no_output(tmp_path / "out")
     existing = tmp_path / "existing"
     existing.mkdir()
-    proc = convert("hf-to-mcore", "--hf", str(models / "qwen3"), "--out", str(existing), expect_ok=False)
-    assert proc.returncode == 2 and "already exists" in proc.stderr
-    proc = convert("mcore-to-hf", "--mcore", str(tmp_path / "nothing"), "--out", str(tmp_path / "o"), expect_ok=False)
-    assert proc.returncode == 2 and "no such checkpoint directory" in proc.stderr
+    rc, err = convert_here(capsys, "hf-to-mcore", "--hf", str(models / "qwen3"), "--out", str(existing))
+    assert rc == 2 and "already exists" in err
+    rc, err = convert_here(capsys, "mcore-to-hf", "--mcore", str(tmp_path / "nothing"), "--out", str(tmp_path / "o"))
+    assert rc == 2 and "no such checkpoint directory" in err

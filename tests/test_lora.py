@@ -3,8 +3,9 @@ model equals the merged weights W + s B A, only adapters (and ALP's sigmas) trai
 the base model, and bad config is refused naming the key; TP/SP/PP/EP under torchrun.
 
 The single-rank checks build tiny Megatron GPTs in a 1-rank gloo group, which applies the CPU shims to
-the whole process; so they run in one subprocess (this file run as a script, every check recorded
-in a JSON file) and each test below asserts its own check's result, as tests/test_perturbation.py.
+the whole process; so they run in a one-rank check job (this file run as a script, every check
+recorded in a JSON file; helpers.dist_job) and each test below asserts its own check's result, as
+tests/test_perturbation.py.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import passed, record_checks, run_checks
+from helpers import dist_job, passed, read_results, record_checks
 
 from megatron_alp.config import ConfigError, LoRAConfig, validate_schema
 
@@ -21,11 +22,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 # ------------------------------------------------------------------------------------ pytest side
+SINGLE = dist_job("lora_one_rank", "tests/test_lora.py", "{dir}/checks.json", nproc=1)
+LAYOUTS = [dist_job(f"lora_{family}", "check_lora.py", family, "{dir}/result.json")
+           for family in ("qwen3", "qwen3_moe")]
+CHECKPOINTS = dist_job("lora_checkpoint", "check_lora_checkpoint.py", "{dir}", "{dir}/result.json")
+
+
 @pytest.fixture(scope="module")
-def single_rank(tmp_path_factory) -> dict:
-    return run_checks(__file__, tmp_path_factory.mktemp("lora") / "checks.json")
+def single_rank(dist_jobs) -> dict:
+    return read_results(dist_jobs.run("lora_one_rank") / "checks.json")
 
 
+@SINGLE
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
 def test_zero_b_is_the_base_model(single_rank, family):
     """B starts at 0: the adapted model's logits equal the un-adapted model's bit for bit."""
@@ -33,6 +41,7 @@ def test_zero_b_is_the_base_model(single_rank, family):
     assert r["adapters"] > 0, r
 
 
+@SINGLE
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
 def test_adapted_equals_merged_weights(single_rank, family):
     """With random B the output of one layer is W x + s B A x (plain torch), and the whole model's logits
@@ -41,6 +50,7 @@ def test_adapted_equals_merged_weights(single_rank, family):
     assert r["layer_diff"] < 1e-5 and r["logit_diff"] < 1e-4 and r["logit_shift"] > 1e-3, r
 
 
+@SINGLE
 def test_only_adapters_and_sigmas_train(single_rank):
     """Every base parameter is frozen; adapters and ALP's sigmas train; a perturbed forward + backward
     gives gradients to exactly those, and a nonzero one to every A and B."""
@@ -48,6 +58,7 @@ def test_only_adapters_and_sigmas_train(single_rank):
     assert r["trainable"] == r["adapter_params"] + r["sigmas"] and r["sigmas"] == 4, r
 
 
+@SINGLE
 def test_frozen_base_has_no_grad_buffer_or_optimizer_state(single_rank):
     """Under Megatron DDP and optimizer the gradient buffers and the parameter groups hold exactly the
     adapters and sigmas (sigma in its own group); a step moves them and leaves every base weight as it was."""
@@ -55,6 +66,7 @@ def test_frozen_base_has_no_grad_buffer_or_optimizer_state(single_rank):
     assert r["in_buffers"] == r["in_optimizer"] == r["trainable"] and r["sigma_groups"] == 1, r
 
 
+@SINGLE
 def test_full_recompute_trains_every_adapter(single_rank):
     """Full activation recomputation (reentrant checkpoints of one layer each) with a frozen embedding
     still gives every adapter, the first layer's included, the gradients of the plain backward."""
@@ -62,11 +74,13 @@ def test_full_recompute_trains_every_adapter(single_rank):
     assert r["max_grad_diff"] < 1e-6, r
 
 
+@SINGLE
 def test_adapters_disabled_is_the_base_model(single_rank):
     """Inside adapters_disabled the logits are the base model's bit for bit; after it, the adapted ones."""
     passed(single_rank, "disabled")
 
 
+@SINGLE
 def test_model_side_refusals(single_rank):
     """A listed target the model lacks is refused naming lora.target_modules; the default list skips the
     dense MLP of an MoE model."""
@@ -118,29 +132,26 @@ def test_runs_refuse_what_cannot_carry_adapters(extra, expected):
     assert expected in str(err.value), str(err.value)
 
 
-def test_lora_under_tp_sp_pp_ep(tmp_path):
+@LAYOUTS[0]
+@LAYOUTS[1]
+def test_lora_under_tp_sp_pp_ep(dist_jobs):
     """TP=2 with and without sequence parallel and PP=2 (dense); TP=2 with SP (expert TP 2), PP=2 and EP=2
     (MoE): logits, adapters-off logits and every adapter gradient after Megatron DDP's
     finalize_model_grads equal the single-rank model's (asserted in the script)."""
-    from helpers import read_results, torchrun
-
     for family in ("qwen3", "qwen3_moe"):
-        torchrun("check_lora.py", family, str(tmp_path / f"{family}.json"))
-        r = read_results(tmp_path / f"{family}.json")
+        r = read_results(dist_jobs.run(f"lora_{family}") / "result.json")
         assert len(r["layouts"]) == 3 and r["max_logit_diff"] < 2e-5 and r["max_grad_rel_diff"] < 1e-4, r
 
 
-def test_lora_distributed_checkpoints(tmp_path):
+@CHECKPOINTS
+def test_lora_distributed_checkpoints(dist_jobs):
     """Adapters in Megatron distributed checkpoints: a save/resume takes the uninterrupted run's next step
     bit for bit (dense with the distributed optimizer at DP=2, MoE with the plain one at EP=2); a
     checkpoint loads at TP=2 (with and without SP), PP=2, EP=1 and expert TP=2 with exactly the saved
     full adapters and sigmas, and the next step there is the reference's to float-sum order; saved at
     TP=2+SP or PP=2 it loads back at DP=2 exactly; a checkpoint without adapters loads into a LoRA model
     only with base_only=True (asserted in the script)."""
-    from helpers import read_results, torchrun
-
-    torchrun("check_lora_checkpoint.py", str(tmp_path), str(tmp_path / "result.json"))
-    r = read_results(tmp_path / "result.json")
+    r = read_results(dist_jobs.run("lora_checkpoint") / "result.json")
     assert len(r["exact_resume"]) == 2 and len(r["loaded"]) == 4 and r["base_only"], r
     assert r["step_rel_diff"] < 1e-2 and "base_only=True" in r["refusal"], r
 

@@ -9,48 +9,39 @@ Qwen3 (every dense target) and Qwen3-MoE (attention and routed experts) with ran
   ``mcore-to-hf`` that merged folder, which ``verify`` matches with the checkpoint; ``mcore-to-peft``
   of a checkpoint without adapters is refused naming its metadata file.
 
-Megatron's side runs in tests/dist/check_lora_export.py: once on 1 rank (the reference: adapters,
-log-probabilities, exports) and once under torchrun on 2 ranks; the expected values here come from
-transformers and peft forwards in this process.
+Megatron's side runs in tests/dist/check_lora_export.py: once on 1 rank (the base models, the
+reference: adapters, log-probabilities, exports; then the ``convert`` commands by the CLI's entry)
+and once under torchrun on 2 ranks; the expected values here come from transformers and peft
+forwards in this process.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+import re
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, torchrun
+from helpers import dist_job
 from safetensors.torch import load_file
-from test_convert import _logit_diff, convert
 
 from megatron_alp.config import LoRAConfig
 from megatron_alp.models.lora_export import ADAPTER_FILE, CONFIG_FILE, peft_adapter_config, write_peft_adapter
-from megatron_alp.models.tiny import make_tiny_model
 
 FAMILIES = ["qwen3", "qwen3_moe"]
 TOL = 1e-5  # fp32 max |log-probability diff|: the same weights, other kernels
 LAYOUTS = [("qwen3", "tp2"), ("qwen3_moe", "tp2"), ("qwen3_moe", "ep2")]
 
+dist_job("lora_export_reference", "check_lora_export.py", "{dir}", nproc=1)
+EXPORTS = dist_job("lora_export", "check_lora_export.py", "{dir:lora_export_reference}",
+                   after=("lora_export_reference",))
+
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory) -> Path:
-    work = tmp_path_factory.mktemp("lora_export")
-    for i, family in enumerate(FAMILIES):
-        make_tiny_model(family, work / family, seed=20 + i)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        env.pop(key, None)
-    script = ROOT / "tests" / "dist" / "check_lora_export.py"
-    proc = subprocess.run([sys.executable, str(script), str(work)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    torchrun("check_lora_export.py", str(work))
-    return work
+def work(dist_jobs) -> Path:
+    dist_jobs.run("lora_export")
+    return dist_jobs.run("lora_export_reference")
 
 
 def _logprobs(model, tokens) -> torch.Tensor:
@@ -64,6 +55,7 @@ def _hf(path: Path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
+@EXPORTS
 @pytest.mark.parametrize("family", FAMILIES)
 def test_peft_adapter_gives_megatrons_logprobs(work, family):
     from peft import PeftModel
@@ -76,6 +68,7 @@ def test_peft_adapter_gives_megatrons_logprobs(work, family):
     assert diff < TOL and shift > 0.1, (diff, shift)  # the adapters change the model, PEFT's is Megatron's
 
 
+@EXPORTS
 @pytest.mark.parametrize("family", FAMILIES)
 def test_merged_export_gives_megatrons_logprobs(work, family):
     ref = torch.load(work / f"{family}_ref.pt")
@@ -86,6 +79,7 @@ def test_merged_export_gives_megatrons_logprobs(work, family):
     assert diff < TOL, diff
 
 
+@EXPORTS
 def test_adapter_config(work):
     dense = json.loads((work / "qwen3_1rank" / "peft" / CONFIG_FILE).read_text())
     assert dense["peft_type"] == "LORA" and dense["task_type"] == "CAUSAL_LM"
@@ -100,6 +94,7 @@ def test_adapter_config(work):
     assert tensors["base_model.model.model.layers.0.mlp.experts.lora_B.weight"].shape == (128, 4 * 4)
 
 
+@EXPORTS
 @pytest.mark.parametrize("family, layout", LAYOUTS)
 def test_parallel_exports_equal_one_rank(work, family, layout):
     for kind, file in (("peft", ADAPTER_FILE), ("merged", "model.safetensors")):
@@ -115,22 +110,28 @@ def _assert_same_tensors(a_file: Path, b_file: Path) -> None:
     assert not changed, f"{b_file} differs from {a_file}: {changed[:5]}"
 
 
-def test_convert_lora_checkpoint(work, tmp_path):
-    ckpt, peft_dir, hf_dir = work / "qwen3_ckpt", tmp_path / "peft", tmp_path / "hf"
+@EXPORTS
+def test_convert_lora_checkpoint(work, tmp_path, capsys):
+    from megatron_alp.cli import main
+
+    ckpt, peft_dir, hf_dir = work / "qwen3_ckpt", work / "cli_peft", work / "cli_hf"
+    commands = json.loads((work / "commands.json").read_text())
+    for step, c in commands.items():
+        assert c["rc"] == 0, f"convert {step} failed:\n{c['err'][-4000:]}"
     assert json.loads((ckpt / "megatron_alp.json").read_text())["lora"]["rank"] == 4
-    convert("mcore-to-peft", "--mcore", str(ckpt), "--out", str(peft_dir), "--base-model", str(work / "qwen3"))
     reference = work / "qwen3_1rank"
     _assert_same_tensors(reference / "peft" / ADAPTER_FILE, peft_dir / ADAPTER_FILE)
     assert (peft_dir / CONFIG_FILE).read_text() == (reference / "peft" / CONFIG_FILE).read_text()
-    convert("mcore-to-hf", "--mcore", str(ckpt), "--out", str(hf_dir))
     _assert_same_tensors(reference / "merged" / "model.safetensors", hf_dir / "model.safetensors")
-    proc = convert("verify", "--hf", str(hf_dir), "--mcore", str(ckpt))  # the checkpoint runs with its adapters
-    assert _logit_diff(proc.stdout) < 1e-4
+    m = re.search(r"max \|logit diff\| = ([0-9.e+-]+)", commands["verify"]["out"])  # runs with its adapters
+    assert m and float(m.group(1)) < 1e-4, commands["verify"]["out"][-3000:]
 
-    base = work / "qwen3_base_ckpt"
-    proc = convert("mcore-to-peft", "--mcore", str(base), "--out", str(tmp_path / "none"), expect_ok=False)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert f"{base / 'megatron_alp.json'}: the checkpoint records no LoRA adapters" in proc.stderr
+    base = work / "qwen3_base_ckpt"  # refused before any rank starts: by the command's entry, here
+    capsys.readouterr()
+    rc = main(["convert", "mcore-to-peft", "--mcore", str(base), "--out", str(tmp_path / "none")])
+    err = capsys.readouterr().err
+    assert rc == 2, err[-2000:]
+    assert f"{base / 'megatron_alp.json'}: the checkpoint records no LoRA adapters" in err
     assert not (tmp_path / "none").exists()
 
 

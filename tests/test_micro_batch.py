@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from helpers import read_results, torchrun
+from helpers import dist_job, read_results
 
 from megatron_alp.config import ConfigError
 from megatron_alp.resolve import config_from_dict
@@ -203,18 +203,18 @@ def test_config_checks_the_budget_against_the_engine_context():
 LOGPROB_TOL, LOSS_TOL, GRAD_REL_TOL, WEIGHT_TOL = 2e-5, 2e-5, 2e-4, 2e-4
 
 
-@pytest.fixture(scope="module")
-def packing_two_ranks(tmp_path_factory):
-    path = tmp_path_factory.mktemp("packing") / "result.json"
-    torchrun("check_packing.py", str(path), "dp2", "tp2", "tp2_sp", "pp2", timeout=900)
-    return read_results(path)
+TWO_RANKS = dist_job("packing", "check_packing.py", "{dir}/result.json", "dp2", "tp2", "tp2_sp", "pp2", timeout=900)
+ONE_RANK = dist_job("packing_one_rank", "check_packing.py", "{dir}/result.json", "single", nproc=1)
 
 
 @pytest.fixture(scope="module")
-def packing_one_rank(tmp_path_factory):
-    path = tmp_path_factory.mktemp("packing1") / "result.json"
-    torchrun("check_packing.py", str(path), "single", nproc=1, timeout=600)
-    return read_results(path)
+def packing_two_ranks(dist_jobs):
+    return read_results(dist_jobs.run("packing") / "result.json")
+
+
+@pytest.fixture(scope="module")
+def packing_one_rank(dist_jobs):
+    return read_results(dist_jobs.run("packing_one_rank") / "result.json")
 
 
 def _check(results: dict) -> None:
@@ -230,10 +230,12 @@ def _check(results: dict) -> None:
     assert tokens["packed"] <= tokens["budget"] and tokens["packed_one_row"] < tokens["padded"], tokens
 
 
+@ONE_RANK
 def test_packed_budget_and_fused_equal_padded_on_one_rank(packing_one_rank):
     _check(packing_one_rank)
 
 
+@TWO_RANKS
 @pytest.mark.parametrize("layout", ["dp2", "tp2", "tp2_sp", "pp2"])
 def test_packed_budget_and_fused_equal_padded_on_two_ranks(packing_two_ranks, layout):
     _check({k: v for k, v in packing_two_ranks.items() if k.startswith(layout + "/")})

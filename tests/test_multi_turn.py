@@ -13,18 +13,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import dist_job
 
 from megatron_alp.config import SandboxConfig, TIRConfig
 from megatron_alp.rollout.base import Completion, RolloutEngine, SamplingParams
 from megatron_alp.tir.multi_turn import CODE_STOP, FeedbackFormatter, find_code, format_output, run_episodes
 from megatron_alp.tir.sandbox import SandboxExecutor
 
+TIR_RANKS = dist_job("tir_ranks", "check_tir_ranks.py", "{dir}", timeout=300)
+
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from megatron_alp.models.tiny import make_tiny_model
-
-    return make_tiny_model("qwen2", tmp_path_factory.mktemp("tir") / "model")
+def model_dir(tiny_model):
+    return tiny_model("qwen2")
 
 
 @pytest.fixture(scope="module")
@@ -485,12 +486,11 @@ def test_tir_rollouts_on_real_vllm(model_dir, tok, executor, tmp_path, monkeypat
     assert executions > 0 and {"model", "tool"} <= kinds
 
 
-def test_ranks_agree_with_the_broadcast_hook(model_dir):
-    """2 gloo ranks: code whose output is random yields identical episodes on both ranks."""
-    from helpers import torchrun
-
-    out = torchrun("check_tir_ranks.py", str(model_dir), timeout=300)
-    assert "TIR ranks OK" in out
+@TIR_RANKS
+def test_ranks_agree_with_the_broadcast_hook(dist_jobs):
+    """2 gloo ranks: code whose output is random yields identical episodes on both ranks (and
+    differs between them without the broadcast hook)."""
+    assert (dist_jobs.run("tir_ranks") / "result.txt").read_text() == "TIR ranks OK"
 
 
 def _nfkc_tokenizer():

@@ -2,8 +2,8 @@
 that saves eps, no activation-sized tensor kept), and TP/SP/PP/recompute under torchrun.
 
 The single-rank checks build a tiny Megatron GPT in a 1-rank gloo group, which applies the CPU
-shims to the whole process; so they run in one subprocess (this file run as a script, every check
-recorded in a JSON file) and each test below asserts its own check's result.
+shims to the whole process; so they run in a one-rank check job (this file run as a script, every
+check recorded in a JSON file; helpers.dist_job) and each test below asserts its own check's result.
 """
 
 from __future__ import annotations
@@ -12,17 +12,22 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import passed, record_checks, run_checks
+from helpers import dist_job, passed, read_results, record_checks
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 # ------------------------------------------------------------------------------------ pytest side
+SINGLE = dist_job("perturbation_one_rank", "tests/test_perturbation.py", "{dir}/checks.json", nproc=1)
+TWO_RANKS = dist_job("perturbation", "check_perturbation.py", "{dir}/r.json")
+
+
 @pytest.fixture(scope="module")
-def single_rank(tmp_path_factory) -> dict:
-    return run_checks(__file__, tmp_path_factory.mktemp("alp") / "checks.json")
+def single_rank(dist_jobs) -> dict:
+    return read_results(dist_jobs.run("perturbation_one_rank") / "checks.json")
 
 
+@SINGLE
 def test_noise_statistics(single_rank):
     """eps ~ N(0, 1) per element: mean 0, std 1 (noise std = sigma per site, per dimension for a vector
     sigma), Gaussian mass within one sigma; uncorrelated between neighbouring positions, batch rows and
@@ -31,6 +36,7 @@ def test_noise_statistics(single_rank):
     assert r["worst_std_ratio_error"] < 0.02 and r["worst_corr"] < 0.03, r
 
 
+@SINGLE
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("shape", ["scalar", "vector"])
 def test_site_gradients_bit_identical(single_rank, dtype, shape):
@@ -40,6 +46,7 @@ def test_site_gradients_bit_identical(single_rank, dtype, shape):
     assert r["cases"] == 4, r
 
 
+@SINGLE
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("shape", ["scalar", "vector"])
 def test_model_gradients_bit_identical(single_rank, dtype, shape):
@@ -49,6 +56,7 @@ def test_model_gradients_bit_identical(single_rank, dtype, shape):
     assert r["params_compared"] > 10 and r["sigma_grads_nonzero"], r
 
 
+@SINGLE
 @pytest.mark.parametrize("recompute", ["full", "selective"])
 def test_recompute_regenerates_exactly(single_rank, recompute):
     """Megatron activation recomputation re-runs the perturbed forward in the backward: the
@@ -57,6 +65,7 @@ def test_recompute_regenerates_exactly(single_rank, recompute):
     assert r["params_compared"] > 10, r
 
 
+@SINGLE
 def test_no_activation_sized_tensor_saved(single_rank):
     """saved_tensors_hooks over the model's forward: with regeneration ALP adds only the sigma-sized
     exp result per site (and keeps a generator state of a few KiB), while the saved-eps path adds
@@ -67,6 +76,7 @@ def test_no_activation_sized_tensor_saved(single_rank):
     assert r["max_ctx_state_bytes"] <= 8192 and r["regen_nodes"] == r["sites"], r
 
 
+@SINGLE
 def test_backward_leaves_rng_streams_untouched(single_rank):
     """The backward's redraw uses a private generator: the default generator and every tracker
     stream are exactly as the forward left them, with and without recomputation, and end where the
@@ -74,15 +84,13 @@ def test_backward_leaves_rng_streams_untouched(single_rank):
     passed(single_rank, "rng_untouched")
 
 
-def test_perturbation_under_tp_sp_pp_and_recompute(tmp_path):
+@TWO_RANKS
+def test_perturbation_under_tp_sp_pp_and_recompute(dist_jobs):
     """Replicated noise under TP, per-shard noise under SP, TP=2 == TP=1 perturbed logits and sigma
     grads, bit-identical unperturbed passes, sigma=0 == no perturbation, recompute replays the noise,
     layer ranges / logits-only sites, PP stages own their sigmas, regenerated == saved eps under
     TP/SP/PP/recompute (asserted in the script)."""
-    from helpers import read_results, torchrun
-
-    torchrun("check_perturbation.py", str(tmp_path / "r.json"))
-    r = read_results(tmp_path / "r.json")
+    r = read_results(dist_jobs.run("perturbation") / "r.json")
     assert r["tp2_logit_diff"] < 2e-5 and r["ref_logit_shift"] > 1e-3 and r["recompute_sites_replayed"] == 4
     assert r["saved_eps_equal_layouts"] == ["tp1", "recompute", "tp2", "sp", "pp"], r
 

@@ -1,17 +1,14 @@
 """The phase table and the trainer following it: what is resident in every phase, measured."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import QUICKSTART_TIR, SEPARATE, train
 
-from megatron_alp.trainer.phases import PHASES, PhaseRunner
+from megatron_alp.trainer.phases import PHASES, STRICT_ENV, PhaseRunner
 from megatron_alp.training.offload import TrainingStateOffloader
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_trainer import SEPARATE, train  # noqa: E402
 
 # What each phase must hold, written from the issue's description of the phases (not read from the table)
 MEGATRON = {
@@ -30,15 +27,21 @@ ENGINE = {
 class FakeRollout:
     """Records, at every change of engine memory, what Megatron held at that moment."""
 
+    sleeps = True
+
     def __init__(self, offloader):
         self.memory, self.offloader, self.events, self.entering = "awake", offloader, [], None
 
-    def set_memory(self, state):
+    def set_memory(self, state, resync=False):
         if state == self.memory:
             return
         held = {k for k, v in self.offloader.resident_bytes().items() if v}
         self.events.append((self.entering, self.memory, state, held))
         self.memory = state
+
+    @property
+    def held_memory(self):
+        return self.memory
 
 
 def test_every_phase_releases_before_it_allocates():
@@ -77,6 +80,34 @@ def test_every_phase_releases_before_it_allocates():
     assert stats["offload/bytes_moved"] == stats["reload/bytes_moved"] > 0
 
 
+class StuckRollout:
+    """An engine that never moves: awake whatever the phase asks."""
+
+    memory, held_memory, sleeps = "awake", "awake", True
+
+    def set_memory(self, state, resync=False):
+        self.memory = state
+
+
+def test_an_engine_holding_other_memory_than_its_phase_is_an_error_in_tests_and_one_warning_line_else(
+        monkeypatch, capsys):
+    runner = PhaseRunner()
+    runner.attach(rollout=StuckRollout())
+    monkeypatch.setenv(STRICT_ENV, "1")
+    with pytest.raises(RuntimeError, match="phase logprob: the rollout engine's memory is 'awake', the phase table "
+                                           "wants 'asleep'"):
+        runner.enter("logprob")
+    monkeypatch.setenv(STRICT_ENV, "0")
+    for _ in range(3):
+        runner.enter("logprob")
+        runner.enter("rollout")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["warning: phase logprob: the rollout engine's memory is 'awake', the phase table wants 'asleep'"]
+    runner.rollout.sleeps = False  # engines that never sleep stay awake in every phase: nothing to say
+    runner.enter("policy_update")
+    assert capsys.readouterr().out == ""
+
+
 def test_the_table_names_every_phase_the_trainer_and_the_plan_use():
     assert set(MEGATRON) | {"warm_start", "model_build"} == set(PHASES)
     assert {p.plan_row for p in PHASES.values()} == {"warm_start", "training", "rollout", "engine_restart_resync",
@@ -101,9 +132,26 @@ def _check_follows_the_table(rows: list[dict], offloads: bool) -> None:
         if not seen_update:
             needed = needed - {"optimizer"}  # Adam's state exists from the first update on
         assert held == needed, (phase, r["iteration"], r["megatron"])
+        if offloads and phase == "checkpoint_save":  # the policy's weights, the reference model's left offloaded
+            assert r["megatron"]["weights"] < full["weights"], r
+            needed = needed - {"weights"}
         assert all(r["megatron"][k] == full[k] for k in needed), (phase, r)
         assert r["engine"] == (ENGINE[phase] if offloads else "awake"), (phase, r)
         seen_update = seen_update or phase == "policy_update"
+
+
+def test_the_trainer_follows_the_phase_table(sync_run):
+    """The shared quickstart run (tests/conftest.py: ledger on, sync verification, a checkpoint after
+    every iteration, validation after the last): each phase entered in the trainer's order, holding
+    what the table says, the offload moves running on the CPU too."""
+    rows = _ledger(sync_run)
+    entries = [p for p, _ in ((r["phase"], r["iteration"]) for r in rows if r["at"] == "entry")]
+    iteration = ["rollout", "logprob", "policy_update", "weight_sync", "sync_verification", "weight_sync"]
+    assert entries == ["warm_start", "model_build", "engine_start", *iteration, "checkpoint_save", *iteration,
+                       "checkpoint_save", *iteration, "validation", "checkpoint_save"], entries
+    _check_follows_the_table(rows, offloads=True)
+    metrics = [json.loads(line) for line in (sync_run / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["offload/bytes_moved"] > 0 and m["reload/bytes_moved"] > 0 for m in metrics)
 
 
 @pytest.mark.slow  # a kill/crash soak (minutes on 2 cores): pytest -m slow
@@ -136,8 +184,6 @@ def test_the_trainer_follows_the_phase_table_through_an_engine_crash(tmp_path):
 @pytest.mark.parametrize("variant", ["async", "tir"])
 def test_async_and_tir_runs_follow_the_phase_table(tmp_path, variant):
     """Separate engines never sleep and nothing is offloaded; a TIR run takes the colocated phases."""
-    from test_trainer import QUICKSTART_TIR
-
     run = tmp_path / variant
     if variant == "async":
         rc, out = train(run, "trainer.iterations=2", "trainer.phase_ledger=true", *SEPARATE,

@@ -10,12 +10,13 @@ import re
 from pathlib import Path
 
 import pytest
-from test_configs import MODELS
+from helpers import MODELS
 
 from megatron_alp.cli import main
 from megatron_alp.config import ConfigError
 from megatron_alp.resolve import config_from_dict, load_config
 from megatron_alp.trainer.memory_plan import PUBLISHED, check_fits, default_gpus, memory_plan
+from megatron_alp.training import dist_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.yaml") if not p.name.startswith("quickstart"))
@@ -419,7 +420,7 @@ def test_separate_engines_by_hand():
     assert plan.offloaded_bytes == 0 and plan.engine_gpus == 4 and plan.fits
     report = plan.report()
     assert "layout  4 trainer GPUs + 4 engine GPUs x 80 GiB" in report and "4 replicas in all" in report
-    assert "nothing offloaded" in report and "host memory" not in report
+    assert "nothing offloaded" in report and "host memory for the offloaded state" not in report
     kv_per_token = 2 * 28 * 2 * 128 * 2
     assert f"{(int(0.9 * 80 * GiB) - engine_weights - 3 * GiB) // (kv_per_token * 4096)} full-length" in report
 
@@ -517,3 +518,35 @@ def test_routing_replay_host_buffers_are_counted():
     host = responses * per_sequence + responses // 16 * per_sequence
     plan = memory_plan(cfg, 16, H100)
     assert f"routing replay (r3): {host / GiB:.2f} GiB of host memory per rank" in plan.report()
+
+
+def test_the_checkpoint_save_counts_what_its_format_gathers(monkeypatch):
+    """Qwen3-30B-A3B on 16 GPUs: the save holds the policy's weights and optimizer state (the reference stays
+    offloaded, the gradients released), the runtime and the sleeping engine; the distributed optimizer's state is
+    gathered over gloo into host memory, none on the GPU, and the host memory of a data-parallel group's first rank
+    is a note. The plan reads the save's own format: with Megatron's NCCL all-gather instead, each rank would hold
+    the expert buffer's fp32 shard and the expert-DP2 received ones for one state at a time, and a GPU where that
+    does not fit is refused naming the save."""
+    h, heads, kv_heads, d, layers, vocab, experts, expert_ffn = 2048, 32, 4, 128, 48, 151936, 128, 768
+    q, kv = heads * d, kv_heads * d
+    dense = layers * (h * (q + 2 * kv) + q * h + 2 * h + 2 * d + h * experts) + 2 * vocab * h + h
+    expert = layers * experts * 3 * h * expert_ffn // 8  # EP8
+    plan = memory_plan(config("qwen3-30b-a3b_seq_alp.yaml"), gpus=16, gpu_mem_gib=H100)
+    save = plan.phase("checkpoint_save")
+    assert items(save) == {
+        "weights": (dense + expert) * 2, "reference": 0, "grads": 0,
+        "optimizer": 12 * (-(-dense // 16) + -(-expert // 2)), "save_transient": 0,
+        "runtime": 3 * GiB, "engine": 2 * GiB,
+    }
+    world = 12 * (dense + expert)  # fp32 parameter, Adam m and v of both buffers, whole, on the host
+    gathering = 12 * expert + 12 * expert // 2  # the expert buffer's received shards and concatenations, own shards
+    assert f"checkpoint save: {(world + gathering) / GiB:.2f} GiB of host memory" in plan.report()
+    assert "checkpoint_save" not in memory_plan(config("qwen3-30b-a3b_seq_alp.yaml"), 16, 58.0).failing
+
+    monkeypatch.setitem(dist_checkpoint.OPTIMIZER_METADATA, "distrib_optim_fully_reshardable_mem_efficient", False)
+    nccl = memory_plan(config("qwen3-30b-a3b_seq_alp.yaml"), gpus=16, gpu_mem_gib=H100).phase("checkpoint_save")
+    assert items(nccl)["save_transient"] == 4 * expert + 4 * expert // 2  # 20.25 GiB
+    assert nccl.total == save.total + 4 * expert + 4 * expert // 2
+    small = memory_plan(config("qwen3-30b-a3b_seq_alp.yaml"), 16, 58.0)  # 55.1 GiB usable
+    assert "checkpoint_save" in small.failing
+    assert f"checkpoint save needs {nccl.total / GiB:.2f} GiB on GPU 0" in small.refusal()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import read_results, torchrun
+from helpers import dist_job, read_results
 from pydantic import ValidationError
 
 from megatron_alp.algorithms.policy_loss import (
@@ -563,13 +563,15 @@ def test_a_baseline_is_never_silently_perturbed():
 # ------------------------------------------------------------------ multi-rank (torchrun, gloo)
 
 
+TP_LOSS = dist_job("tp_loss", "check_tp_loss.py", "{dir}/result.json")
+
+
 @pytest.fixture(scope="module")
-def dist_results(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tp_loss") / "result.json"
-    torchrun("check_tp_loss.py", str(path))
-    return read_results(path)
+def dist_results(dist_jobs):
+    return read_results(dist_jobs.run("tp_loss") / "result.json")
 
 
+@TP_LOSS
 def test_tp2_logprobs_entropy_loss_and_grads_equal_tp1(dist_results):
     synthetic, model = dist_results["synthetic"], dist_results["model"]
     assert all(v < 1e-5 for v in synthetic.values()), synthetic
@@ -577,6 +579,7 @@ def test_tp2_logprobs_entropy_loss_and_grads_equal_tp1(dist_results):
     assert model["grad_rel"] < 1e-4, model
 
 
+@TP_LOSS
 def test_dp2_metric_reduction_equals_single_process(dist_results):
     mis = dist_results["dp_metrics"]["token_mis"]
     assert 0 < mis["mask/frac"] < 1

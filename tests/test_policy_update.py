@@ -10,7 +10,7 @@ response and lower every negative one's.
 from __future__ import annotations
 
 import pytest
-from helpers import read_results, torchrun
+from helpers import dist_job, read_results
 
 LOSSES = ("alp_token", "alp_seq", "grpo", "gspo", "token_mis", "seq_mis", "token_tis", "seq_bypass")
 PERTURBED = {"alp_token", "alp_seq"}
@@ -18,11 +18,12 @@ LAYOUTS = ("dp2", "tp2", "pp2", "dp2_recompute", "dp2_bf16")
 ADVANTAGES = [1.0 if i % 2 == 0 else -1.0 for i in range(8)]
 
 
+pytestmark = dist_job("policy_update", "check_policy_update.py", "{dir}/result.json", timeout=900)
+
+
 @pytest.fixture(scope="module")
-def updates(tmp_path_factory):
-    path = tmp_path_factory.mktemp("policy_update") / "result.json"
-    torchrun("check_policy_update.py", str(path), timeout=900)
-    return read_results(path)
+def updates(dist_jobs):
+    return read_results(dist_jobs.run("policy_update") / "result.json")
 
 
 def _deltas(r: dict) -> list[float]:

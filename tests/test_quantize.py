@@ -6,6 +6,7 @@ scale. Serving the result in vLLM needs its GPU kernels (a GPU test)."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-
-from megatron_alp.models.tiny import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CALIB = ROOT / "data" / "largest" / "val.jsonl"
@@ -27,22 +26,36 @@ pytestmark = pytest.mark.skipif(__import__("importlib").util.find_spec("modelopt
                                 reason="nvidia-modelopt is not installed (pip install nvidia-modelopt)")
 
 
-def convert(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "megatron_alp.cli", "convert", *args], capture_output=True,
-                          text=True, env=env, cwd=ROOT, timeout=600)
+def convert(*args: str) -> subprocess.Popen:
+    """``megatron-alp convert ARGS`` as the user runs it, in a process of its own (started, not awaited)."""
+    # without the rendezvous this process's own torch.distributed group left in the environment
+    rendezvous = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+    env = {**{k: v for k, v in os.environ.items() if k not in rendezvous}, "PYTHONPATH": str(ROOT),
+           "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "megatron_alp.cli", "convert", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """A tiny Qwen3, its Megatron checkpoint, FP8 from the checkpoint and NVFP4 from the HF folder."""
+def exported(tmp_path_factory, tiny_model):
+    """A tiny Qwen3, its Megatron checkpoint, FP8 from the checkpoint and NVFP4 from the HF folder:
+    the two quantizations run as the user runs them, each in its own process, side by side."""
+    from checkpoint_tools.hf_to_mcore import convert as hf_to_mcore
+
+    from megatron_alp.commands.context import one_process
+    from megatron_alp.config import ParallelConfig
+
     root = tmp_path_factory.mktemp("quantize")
-    hf = make_tiny_model("qwen3", root / "hf", seed=5)
-    assert convert("hf-to-mcore", "--hf", str(hf), "--out", str(root / "mcore")).returncode == 0
+    hf = shutil.copytree(tiny_model("qwen3", seed=5), root / "hf")
+    with one_process(seed=0):
+        hf_to_mcore(hf, root / "mcore", ParallelConfig())
+    procs = {fmt: convert("quantize", *source, "--out", str(root / fmt), "--format", fmt, "--calib", str(CALIB),
+                          "--calib-samples", str(SAMPLES))
+             for fmt, source in (("fp8", ["--mcore", str(root / "mcore")]), ("nvfp4", ["--hf", str(hf)]))}
     runs = {}
-    for fmt, source in (("fp8", ["--mcore", str(root / "mcore")]), ("nvfp4", ["--hf", str(hf)])):
-        runs[fmt] = convert("quantize", *source, "--out", str(root / fmt), "--format", fmt, "--calib", str(CALIB),
-                            "--calib-samples", str(SAMPLES))
+    for fmt, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=600)
+        runs[fmt] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
         assert runs[fmt].returncode == 0, runs[fmt].stderr[-3000:]
     return root, runs
 
@@ -54,6 +67,11 @@ def reference_weights(hf: Path) -> dict[str, torch.Tensor]:
 
 def linear_names(weights: dict) -> list[str]:
     return sorted(k.removesuffix(".weight") for k in weights if k.endswith(".weight") and k.split(".")[-2] in PROJ)
+
+
+@pytest.fixture(scope="module")
+def input_amax(exported) -> dict[str, float]:
+    return calibration_input_amax(exported[0] / "hf")
 
 
 def calibration_input_amax(hf: Path) -> dict[str, float]:
@@ -90,13 +108,13 @@ def test_the_command_is_quiet_and_says_what_it_wrote(exported):
     assert not list(root.glob("*.tmp-*")) and not list(root.glob("*.export-*"))
 
 
-def test_fp8_weights_and_scales_follow_the_format(exported):
+def test_fp8_weights_and_scales_follow_the_format(exported, input_amax):
     root, _ = exported
     config = json.loads((root / "fp8" / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "modelopt"
     assert config["quantization_config"]["quant_algo"] == "FP8"
     ref, q = reference_weights(root / "hf"), load_file(root / "fp8" / "model.safetensors")
-    amax = calibration_input_amax(root / "hf")
+    amax = input_amax
     names = linear_names(q)
     assert len(names) == 4 * len(PROJ)  # every projection of the 4 layers
     for name in names:
@@ -112,12 +130,12 @@ def test_fp8_weights_and_scales_follow_the_format(exported):
     assert (root / "fp8" / "tokenizer_config.json").is_file()
 
 
-def test_nvfp4_blocks_decode_to_the_weights(exported):
+def test_nvfp4_blocks_decode_to_the_weights(exported, input_amax):
     root, _ = exported
     config = json.loads((root / "nvfp4" / "config.json").read_text())
     assert config["quantization_config"]["quant_algo"] == "NVFP4"
     ref, q = reference_weights(root / "hf"), load_file(root / "nvfp4" / "model.safetensors")
-    amax = calibration_input_amax(root / "hf")
+    amax = input_amax
     for name in linear_names(q):
         W, packed = ref[name + ".weight"], q[name + ".weight"]
         block, glob = q[name + ".weight_scale"], q[name + ".weight_scale_2"]
@@ -138,12 +156,16 @@ def test_nvfp4_blocks_decode_to_the_weights(exported):
     (["--format", "fp8", "--calib", "missing.jsonl"], "data file missing.jsonl does not exist"),
     (["--format", "fp8", "--calib", str(CALIB), "--calib-samples", "0"], "--calib-samples must be >= 1 (got 0)"),
 ])
-def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, message):
-    hf = make_tiny_model("qwen3", tmp_path / "hf")
-    proc = convert("quantize", "--hf", str(hf), "--out", str(tmp_path / "q"), *args)
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.strip().splitlines() == [f"megatron-alp convert quantize: error: {message}"], proc.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, tiny_model, capfd, args, message):
+    """Refused before anything is written (in this process: what a real process's terminal shows of
+    the command is test_the_command_is_quiet_and_says_what_it_wrote's)."""
+    from megatron_alp.cli import main as cli_main
+
+    rc = cli_main(["convert", "quantize", "--hf", str(tiny_model("qwen3")), "--out", str(tmp_path / "q"), *args])
+    out, err = capfd.readouterr()
+    assert rc == 2 and out == ""
+    assert err.strip().splitlines() == [f"megatron-alp convert quantize: error: {message}"], err
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.gpu

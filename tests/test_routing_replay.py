@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from helpers import read_results, torchrun
+from helpers import dist_job, read_results
 
 from megatron_alp.config import ModelConfig, ParallelConfig
 from megatron_alp.models.families import hf_to_megatron
@@ -29,13 +29,15 @@ from megatron_alp.training.routing_replay import PassRouting, RoutingPlan, routi
 LAYOUTS = ("ep2", "tp2", "pp2")
 
 
+REPLAY = dist_job("routing_replay", "check_routing_replay.py", "{dir}/result.json", timeout=900)
+
+
 @pytest.fixture(scope="module")
-def replay(tmp_path_factory):
-    path = tmp_path_factory.mktemp("routing_replay") / "result.json"
-    torchrun("check_routing_replay.py", str(path), timeout=900)
-    return read_results(path)
+def replay(dist_jobs):
+    return read_results(dist_jobs.run("routing_replay") / "result.json")
 
 
+@REPLAY
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_r2_update_logprobs_equal_old_logprobs_bit_for_bit(replay, layout):
     """R2 with perturbation.init_std 0: the update pass replays the old pass's experts, and its
@@ -58,6 +60,7 @@ def test_r2_update_logprobs_equal_old_logprobs_bit_for_bit(replay, layout):
     assert rows_and_micro == expected
 
 
+@REPLAY
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mode", ("fixed", "follow"))
 def test_replay_survives_recomputation(replay, layout, mode):
@@ -74,6 +77,7 @@ def test_replay_survives_recomputation(replay, layout, mode):
     assert (flips[0] == 0.0) if mode == "fixed" else (flips[0] > 0.0)
 
 
+@REPLAY
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_engine_routing_reaches_the_replay_through_packing_and_sharding(replay, layout):
     """R3's data path with routing given by the test: from trajectories through build_rl_batch, an
@@ -88,6 +92,7 @@ def test_engine_routing_reaches_the_replay_through_packing_and_sharding(replay, 
     assert abs(r["agreement_random"] - 1 / 28) < 0.03, r
 
 
+@REPLAY
 def test_noise_flips_routing_under_follow_not_under_fixed(replay):
     """sigma vs the fraction of (token, layer) whose experts the ALP noise changes in the update
     pass (EP=2): under `fixed` the experts used never differ from the unperturbed pass's, under

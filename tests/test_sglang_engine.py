@@ -15,6 +15,7 @@ from megatron_alp.config import ConfigError, RolloutConfig, SamplingConfig
 from megatron_alp.models.tiny import make_tiny_model
 from megatron_alp.resolve import config_from_dict
 from megatron_alp.rollout import RolloutError, SamplingParams, build_engine
+from megatron_alp.rollout.engine_memory import SGLangMemory
 from megatron_alp.rollout.sglang_engine import (
     SGLangEngine,
     check_sglang_installed,
@@ -58,12 +59,12 @@ def test_server_command_carries_the_configuration(monkeypatch):
     text = " ".join(cmd)
     for part in ("-m sglang.launch_server", "--model-path /w/weights-000002", "--tokenizer-path /m",
                  "--port 31234", "--dtype bfloat16", "--tp-size 2", "--context-length 4096",
-                 "--random-seed 7", "--disable-cuda-graph", "--enable-memory-saver",
+                 "--random-seed 7", "--disable-cuda-graph", "--enable-memory-saver", "--enable-weights-cpu-backup",
                  "--kv-cache-dtype fp8_e4m3", "--log-level warning"):
         assert part in text, part
     assert cmd[0] == sys.executable  # no rollout.sglang_python and no MEGATRON_ALP_SGLANG_PYTHON
     plain = " ".join(server_command(sglang_cfg(free_memory_during_training=False), "/m", "/m", 256, 0))
-    assert "--quantization" not in plain and "--enable-memory-saver" not in plain
+    assert "--quantization" not in plain and "--enable-memory-saver" not in plain and "backup" not in plain
 
 
 def test_routed_experts_are_asked_for_and_decoded():
@@ -203,18 +204,23 @@ def test_sglang_timeouts_and_long_prompts_are_errors(sglang_engine):
         engine.cfg = saved
 
 
-def test_a_weight_sync_resumes_the_weights_only_and_generation_the_rest():
-    """SGLang resumes every kind of memory for a request without tags: a sync beside Megatron's state
-    asks for the weights only, and the next generation for what is still released."""
+def test_the_memory_moves_are_the_servers_endpoints_by_tag():
+    """Each move releases or resumes only the kinds it changes: a sync beside Megatron's state resumes
+    the weights only, the next generation the rest; from a sync the KV cache and graphs go without the
+    weights, and from there to sleep only the weights are left to release."""
     engine = object.__new__(SGLangEngine)
     engine.cfg = sglang_cfg()
-    engine._asleep = set()
     posts = []
     engine._post = lambda path, body, timeout: posts.append((path, body))
-    engine.sleep()
-    engine.wake_up(tags=("weights",))
-    engine.wake_up(tags=("weights",))  # already awake: nothing to ask
-    engine.wake_up()
-    assert posts == [("/release_memory_occupation", {}),
+    engine.memory = SGLangMemory(engine)
+    engine.memory.move("asleep")
+    engine.memory.wake_weights()
+    engine.memory.wake_weights()  # already awake: nothing to ask
+    engine.memory.move("awake")
+    engine.memory.move("weights")
+    engine.memory.move("asleep")
+    assert posts == [("/release_memory_occupation", {"tags": ["cuda_graph", "kv_cache", "weights"]}),
                      ("/resume_memory_occupation", {"tags": ["weights"]}),
-                     ("/resume_memory_occupation", {"tags": ["cuda_graph", "kv_cache"]})]
+                     ("/resume_memory_occupation", {"tags": ["cuda_graph", "kv_cache"]}),
+                     ("/release_memory_occupation", {"tags": ["cuda_graph", "kv_cache"]}),
+                     ("/release_memory_occupation", {"tags": ["weights"]})]

@@ -12,61 +12,23 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import (LOSS_KEYS, PP2, QUICKSTART, QUICKSTART_LORA, QUICKSTART_TIR, ROLLOUT_KEYS, SEPARATE, SMALL, SYNC_RUN,
+                     TP2_SP, UNPERTURBED_KEYS, copy_run, metrics, train)
 
+from megatron_alp.cli import main
 from megatron_alp.config import InputError
 from megatron_alp.runtime.parallel import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART = ROOT / "configs" / "quickstart_cpu.yaml"
-QUICKSTART_TIR = ROOT / "configs" / "quickstart_tir_cpu.yaml"
-QUICKSTART_LORA = ROOT / "configs" / "quickstart_lora_cpu.yaml"
-
-# A CI-sized run: fewer, smaller iterations of the quickstart.
-SMALL = [
-    "trainer.progress_bar=false",
-    "trainer.tensorboard=false",
-    "trainer.validate_base=false",
-    "trainer.prompts_per_iteration=16",
-    "trainer.updates_per_iteration=2",
-]
 
 
-def train(run_dir: Path, *overrides: str, env: dict | None = None, nproc: int = 1, wait: bool = True,
-          config: Path = QUICKSTART):
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "--master_port", str(free_port()), "-m", "megatron_alp.cli", "train", str(config),
-           f"trainer.output_dir={run_dir}", *SMALL, *overrides]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    if not wait:
-        return proc
-    out, _ = proc.communicate(timeout=900)
-    return proc.returncode, out
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-@pytest.fixture(scope="module")
-def quickstart_run(tmp_path_factory) -> Path:
-    """The CI-sized one-rank quickstart; also the reference the multi-rank layouts must reproduce."""
-    run = tmp_path_factory.mktemp("quickstart") / "quick"
-    rc, out = train(run, "trainer.iterations=8", "trainer.save_interval=8")
-    assert rc == 0, out[-6000:]
-    (run / "terminal.txt").write_text(out)
-    return run
-
-
-def test_quickstart_ci_sized_run_trains_logs_and_saves(quickstart_run):
-    """The main job end to end at CI size. Learning itself is checked deterministically in
-    test_policy_update.py (an 8-iteration reward curve of a tiny model is noise across machines);
-    the reward rise over several seeds is a slow test."""
-    run = quickstart_run
+def test_quickstart_ci_sized_run_trains_logs_and_saves(sync_run):
+    """The main job end to end at CI size (the shared run, tests/conftest.py). Learning itself is
+    checked deterministically in test_policy_update.py (a short reward curve of a tiny model is noise
+    across machines); the reward rise over several seeds is a slow test."""
+    run = sync_run
     m = metrics(run)
-    assert [r["iteration"] for r in m] == list(range(8))
+    assert [r["iteration"] for r in m] == list(range(3))
     reward = [r["reward/mean"] for r in m]
     assert all(0 <= r <= 1 for r in reward), reward
     kl = [r["kl_ref/mean"] for r in m]
@@ -74,24 +36,26 @@ def test_quickstart_ci_sized_run_trains_logs_and_saves(quickstart_run):
     for key in ("ratio/p2", "ratio/p98", "mismatch/kl_k3", "sigma/mean", "grad_norm", "throughput/tokens_per_s"):
         assert key in m[-1], key
     assert (run / "plots").is_dir() and any((run / "plots").glob("*.png"))
-    assert (run / "checkpoints").is_dir()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_0000002", "iter_0000003"]
+    # every sync was verified: the engine's probe logprobs match the trainer's
+    assert all(r["sync/verify_mean_abs_diff"] < 2e-2 for r in m), [r["sync/verify_mean_abs_diff"] for r in m]
 
 
-def test_the_terminal_shows_only_our_lines(quickstart_run):
+def test_the_terminal_shows_only_our_lines(sync_run):
     """Engine and library chatter (vLLM INFO/WARNING, dtype warnings, Python warnings, C++ logs) goes
     to RUN_DIR/logs/engine.log; the terminal keeps the project's own lines (the bar is off here)."""
-    terminal = (quickstart_run / "terminal.txt").read_text().splitlines()
+    terminal = (sync_run / "terminal.txt").read_text().splitlines()
     ours = ("megatron-alp: ", "warm start: ", "rollout engine: ", "iteration ", "run finished in ", "wrote ")
     assert terminal and all(line.startswith(ours) for line in terminal), terminal
-    assert sum(line.startswith("iteration ") for line in terminal) == 8
+    assert sum(line.startswith("iteration ") for line in terminal) == 3
     assert terminal[-2].startswith("run finished in ") and " iterations; reward " in terminal[-2]
     assert terminal[-1].startswith("wrote checkpoints ") and "metrics.jsonl" in terminal[-1]
-    log = (quickstart_run / "logs" / "engine.log").read_text()
+    log = (sync_run / "logs" / "engine.log").read_text()
     assert "Attempted to load weight" in log and "vllm" in log.lower() and "UserWarning" in log
 
 
 @pytest.mark.slow  # a kill/crash soak (minutes on 2 cores): pytest -m slow
-def test_tir_quickstart_runs_the_models_code(tmp_path):
+def test_tir_sync_runs_the_models_code(tmp_path):
     """A few iterations of the multi-turn quickstart (real vLLM, the sandbox, Seq-ALP), trained
     asynchronously (max_staleness=1): the replica leader runs its share's whole episodes (engine
     turns and its own sandbox) in the background. The warm-started model writes code, the sandbox runs
@@ -117,26 +81,14 @@ def _same_metrics(a: dict, b: dict) -> None:
         assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (key, a[key], b[key])
 
 
-KILL_RUN = ["trainer.iterations=3", "trainer.save_interval=1", "trainer.sft_warmup_steps=30"]
-
-
-@pytest.fixture(scope="module")
-def straight_run(tmp_path_factory) -> Path:
-    """Three iterations, a checkpoint after each, never killed: what the killed runs must reproduce."""
-    run = tmp_path_factory.mktemp("kill") / "straight"
-    rc, out = train(run, *KILL_RUN)
-    assert rc == 0, out[-6000:]
-    return run
-
-
 @pytest.mark.slow  # a kill/crash soak (minutes on 2 cores): pytest -m slow
-def test_sigkill_during_save_resumes_to_the_same_metrics(straight_run, tmp_path):
+def test_sigkill_during_save_resumes_to_the_same_metrics(sync_run, tmp_path):
     """Killed while writing the last checkpoint (iteration 3): the partial checkpoint never
     appears, and the run resumes from iteration 2 to the metrics of the run never killed."""
-    common = KILL_RUN
-    straight = metrics(straight_run)
+    common = SYNC_RUN
+    straight = metrics(sync_run)
     run = tmp_path / "killed_in_save"
-    shutil.copytree(straight_run / "base_model", run / "base_model")  # the same warm start, not run again
+    copy_run(sync_run, run, base_model_only=True)  # the same warm start, not run again
     rc, out = train(run, *common, env={"MEGATRON_ALP_KILL_DURING_SAVE": "3"})
     assert rc != 0
     assert not (run / "checkpoints" / "iter_0000003").exists()
@@ -148,41 +100,40 @@ def test_sigkill_during_save_resumes_to_the_same_metrics(straight_run, tmp_path)
         _same_metrics(a, b)
 
 
-def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(straight_run, tmp_path):
+def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(sync_run, tmp_path):
     """The newest checkpoint's largest shard cut short after the save (a failing file system, a bad
     copy): the resume says so in one line, takes the checkpoint before it, and trains to the metrics
     of the run never damaged; the damaged checkpoint is replaced by an intact one."""
-    run = tmp_path / "damaged"
-    shutil.copytree(straight_run, run)
+    run = copy_run(sync_run, tmp_path / "damaged")
     newest = run / "checkpoints" / "iter_0000003"
     shard = max((p for p in newest.rglob("*.distcp")), key=lambda p: p.stat().st_size)
     size = shard.stat().st_size
     with open(shard, "r+b") as f:
         f.truncate(size // 2)
-    rc, out = train(run, *KILL_RUN)
+    rc, out = train(run, *SYNC_RUN)
     assert rc == 0, out[-6000:]
     line = f"checkpoint {newest} is damaged ({shard.relative_to(newest)} has {size // 2} bytes, {size} were written): " \
            "resuming from iter_0000002"
     assert line in out and f"resumed from {run / 'checkpoints' / 'iter_0000002'}" in out, out[-6000:]
     resumed = metrics(run)
     assert [r["iteration"] for r in resumed] == [0, 1, 2]
-    for a, b in zip(metrics(straight_run), resumed):
+    for a, b in zip(metrics(sync_run), resumed):
         _same_metrics(a, b)
     manifest = json.loads((newest / "checksums.json").read_text())["blake2b-128"]
     assert all((newest / name).stat().st_size == entry[0] for name, entry in manifest.items())
 
 
 @pytest.mark.slow  # a kill/crash soak (minutes on 2 cores): pytest -m slow
-def test_a_preemption_notice_saves_and_the_requeued_run_resumes(straight_run, tmp_path):
+def test_a_preemption_notice_saves_and_the_requeued_run_resumes(sync_run, tmp_path):
     """SIGUSR1 to launch/torchrun_multinode.sh (as SLURM's --signal sends it): the ranks finish the
     iteration they are in, save, and the script exits 75 (requeue); the same command resumes from that
     checkpoint to the metrics of the run never stopped."""
     run = tmp_path / "preempted"
-    shutil.copytree(straight_run / "base_model", run / "base_model")
+    copy_run(sync_run, run, base_model_only=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHON": sys.executable, "NNODES": "1",
            "GPUS_PER_NODE": "1", "NPROC_PER_NODE": "1", "MASTER_PORT": str(free_port())}
     cmd = ["bash", str(ROOT / "launch" / "torchrun_multinode.sh"), str(QUICKSTART), f"trainer.output_dir={run}",
-           *SMALL, *KILL_RUN]
+           *SMALL, *SYNC_RUN]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     lines = []
@@ -197,32 +148,35 @@ def test_a_preemption_notice_saves_and_the_requeued_run_resumes(straight_run, tm
     assert stopped, out[-4000:]
     saved = Path(stopped.group(2))
     assert saved == run / "checkpoints" / f"iter_{int(stopped.group(1)) + 1:07d}" and saved.is_dir()
-    rc, out = train(run, *KILL_RUN)
+    rc, out = train(run, *SYNC_RUN)
     assert rc == 0 and f"resumed from {saved}" in out, out[-6000:]
     resumed = metrics(run)
     assert [r["iteration"] for r in resumed] == [0, 1, 2]
-    for a, b in zip(metrics(straight_run), resumed):
+    for a, b in zip(metrics(sync_run), resumed):
         _same_metrics(a, b)
 
 
 @pytest.mark.parametrize("layout", [
     "dp2", pytest.param("tp2", marks=pytest.mark.slow), pytest.param("pp2", marks=pytest.mark.slow)])
-def test_a_run_saved_on_two_ranks_resumes_on_one(straight_run, tmp_path, layout):
+def test_a_run_saved_on_two_ranks_resumes_on_one(sync_run, tmp_path, layout, request):
     """Saved after iteration 0 at DP=2 (TP=2, PP=2) and resumed on one rank: one line says what
     carries over and what cannot, and the run goes on as the one-rank run would have (the same
     prompts, rollouts, step and LR; losses within the ALP noise of another layout; that every
-    tensor carries over exactly is tests/test_dist_checkpoint.py)."""
-    overrides = {"dp2": (), "tp2": TP2_SP, "pp2": PP2}[layout]
-    run = tmp_path / layout
-    shutil.copytree(straight_run / "base_model", run / "base_model")
-    rc, out = train(run, *KILL_RUN, "trainer.iterations=1", *overrides, nproc=2)
-    assert rc == 0, out[-6000:]
-    rc, out = train(run, *KILL_RUN)
+    tensor carries over exactly is tests/test_dist_checkpoint.py). DP=2 resumes a copy of the shared
+    two-rank run cut back to its first checkpoint."""
+    if layout == "dp2":
+        run = copy_run(request.getfixturevalue("dp2_run"), tmp_path / layout)
+        shutil.rmtree(run / "checkpoints" / "iter_0000002")
+    else:
+        run = copy_run(sync_run, tmp_path / layout, base_model_only=True)
+        rc, out = train(run, *SYNC_RUN, "trainer.iterations=1", *{"tp2": TP2_SP, "pp2": PP2}[layout], nproc=2)
+        assert rc == 0, out[-6000:]
+    rc, out = train(run, *SYNC_RUN)
     assert rc == 0, out[-6000:]
     change = {"dp2": "DP 2 -> 1", "tp2": "TP 2 -> 1", "pp2": "PP 2 -> 1"}[layout]
     assert f"resuming iter_0000001 at another layout ({change}): weights, optimizer state, ALP sigmas" in out, out
     assert f"resumed from {run / 'checkpoints' / 'iter_0000001'} at iteration 1, step 2" in out, out
-    resumed, straight = metrics(run), metrics(straight_run)
+    resumed, straight = metrics(run), metrics(sync_run)
     assert [r["iteration"] for r in resumed] == [0, 1, 2]
     for a, b in zip(resumed[1:], straight[1:]):
         for key in ("data/epoch", "step", "lr", "lr/sigma"):  # the sampler position, the LR schedule
@@ -235,12 +189,12 @@ def test_a_run_saved_on_two_ranks_resumes_on_one(straight_run, tmp_path, layout)
 
 
 @pytest.mark.slow
-def test_sigkill_mid_training_resumes_to_the_same_metrics(straight_run, tmp_path):
+def test_sigkill_mid_training_resumes_to_the_same_metrics(sync_run, tmp_path):
     """Killed in the middle of training: resumes to the metrics of the run never killed."""
-    common = KILL_RUN
-    straight = metrics(straight_run)
+    common = SYNC_RUN
+    straight = metrics(sync_run)
     run = tmp_path / "killed_in_training"
-    shutil.copytree(straight_run / "base_model", run / "base_model")
+    copy_run(sync_run, run, base_model_only=True)
     kill_after_two_iterations(run, *common)
     rc, out = train(run, *common)
     assert rc == 0 and "resumed from" in out, out[-6000:]
@@ -349,7 +303,7 @@ def test_overlong_punishment_enters_the_reward(dynamic_sampling_run, tmp_path):
     """With the buffer as long as the budget every response is punished in proportion to its
     length, so the mean punishment is known from the mean length."""
     run = tmp_path / "overlong"
-    shutil.copytree(dynamic_sampling_run / "base_model", run / "base_model")  # no second warm start
+    copy_run(dynamic_sampling_run, run, base_model_only=True)  # no second warm start
     rc, out = train(run, *DAPO, "trainer.iterations=1", "rollout.sampling.max_response_length=8",
                     "reward.overlong_buffer=8", "reward.overlong_penalty=10.0", "loss.mask_truncated=true")
     assert rc == 0, out[-6000:]
@@ -393,60 +347,64 @@ def test_ctrl_c_is_one_line_and_a_finished_run_says_so(tmp_path):
         done.stdout
 
 
-def train_plainly(run_dir: Path, *overrides: str) -> tuple[int, str]:
-    """``megatron-alp train`` as the README starts it (torchrun adds its own report of a failed rank)."""
-    cmd = [sys.executable, "-m", "megatron_alp.cli", "train", str(QUICKSTART), f"trainer.output_dir={run_dir}",
-           *SMALL, *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    return proc.returncode, proc.stdout + proc.stderr
-
-
-def one_error_line(rc: int, out: str, lines: int = 1) -> str:
-    """What a refused start prints (exit 2): one line, or a configuration error's header and one
-    line per problem."""
+def refused(capsys, run_dir: Path, *overrides: str, lines: int = 1) -> str:
+    """``megatron-alp train`` refusing its inputs, run in this process (the refusal comes before
+    anything is imported, locked or created; test_cli.py runs refusals as a real process): exit 2
+    and one line, or a configuration error's header and one line per problem, and nothing else."""
+    capsys.readouterr()
+    rc = main(["train", str(QUICKSTART), f"trainer.output_dir={run_dir}", *SMALL, *overrides])
+    captured = capsys.readouterr()
+    out = captured.out + captured.err
     assert rc == 2 and len(out.strip().splitlines()) == lines, out[-3000:]
-    assert out.startswith("megatron-alp train: error: "), out
+    assert out.startswith("megatron-alp train: error: ") and "Traceback" not in out, out
     return out.strip()
 
 
-def test_bad_inputs_fail_early_with_clear_errors(tmp_path):
+def test_bad_inputs_fail_early_with_clear_errors(tmp_path, capsys):
     """Every input is checked before anything is created: one error line naming the key or the
     file (file:line for a bad row), no traceback, and no run directory, lock, config or base model."""
-    rc, out = train_plainly(tmp_path / "r1", "data.train_files=[data/does_not_exist.jsonl]")
-    assert "does_not_exist.jsonl does not exist" in one_error_line(rc, out) and not (tmp_path / "r1").exists()
+    line = refused(capsys, tmp_path / "r1", "data.train_files=[data/does_not_exist.jsonl]")
+    assert "does_not_exist.jsonl does not exist" in line and not (tmp_path / "r1").exists()
     broken = tmp_path / "broken.jsonl"
     lines = (ROOT / "data" / "largest" / "train.jsonl").read_text().splitlines()[:20]
     broken.write_text("\n".join(lines[:6] + ['{"prompt": "cut sho'] + lines[6:]) + "\n")
-    rc, out = train_plainly(tmp_path / "r2", f"data.train_files=[{broken}]")
-    line = one_error_line(rc, out)
+    line = refused(capsys, tmp_path / "r2", f"data.train_files=[{broken}]")
     assert f"{broken}:7: bad row: expected one JSON object per line" in line and "data.skip_bad_rows" in line
     assert not (tmp_path / "r2").exists()
     (tmp_path / "file").write_text("not a directory")
-    line = one_error_line(*train_plainly(tmp_path / "file"))
+    line = refused(capsys, tmp_path / "file")
     assert "trainer.output_dir" in line and "is a file" in line
-    line = one_error_line(*train_plainly(tmp_path / "r3", "loss.nmae=grpo"), lines=2)
+    line = refused(capsys, tmp_path / "r3", "loss.nmae=grpo", lines=2)
     assert "loss.nmae (command-line override): unknown key; did you mean loss.name?" in line
-    line = one_error_line(*train_plainly(tmp_path / "r4", "trainer.prompts_per_iteration=3",
-                                         "trainer.updates_per_iteration=5"))
+    line = refused(capsys, tmp_path / "r4", "trainer.prompts_per_iteration=3", "trainer.updates_per_iteration=5")
     assert "must split evenly" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.jsonl", "file"]
-    # a run directory held by a live trainer (here: this process holds its lock) is refused, and the
-    # refused run writes nothing into it, not even a line of the running run's log
+
+
+def test_a_run_directory_in_use_is_refused_and_left_untouched(tmp_path):
+    """A run directory held by a live trainer (here: this process holds its lock) is refused by a
+    real ``megatron-alp train`` process, whose terminal shows the one line, and the refused run writes
+    nothing into it, not even a line of the running run's log."""
     import fcntl
 
     busy = tmp_path / "r5"
     busy.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     with open(busy / ".lock", "w") as lock:
         lock.write(str(os.getpid()))
         lock.flush()
         fcntl.lockf(lock, fcntl.LOCK_EX)
-        line = one_error_line(*train_plainly(busy))
-    assert f"is in use by another training process (pid {os.getpid()})" in line
+        proc = subprocess.run([sys.executable, "-m", "megatron_alp.cli", "train", str(QUICKSTART),
+                               f"trainer.output_dir={busy}", *SMALL], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and len(out.strip().splitlines()) == 1, out[-3000:]
+    assert out.startswith("megatron-alp train: error: ") and "Traceback" not in out, out
+    assert f"is in use by another training process (pid {os.getpid()})" in out
     assert sorted(p.name for p in busy.iterdir()) == [".lock"]
 
 
-def test_a_fresh_start_never_mixes_with_an_earlier_run(tmp_path):
+def test_a_fresh_start_never_mixes_with_an_earlier_run(tmp_path, capsys):
     """``trainer.resume=false`` in a directory an earlier run left checkpoints and metrics in is
     refused (they would mix: before, the old metrics were cut and the new run's checkpoint pruned
     by the old run's later ones); ``trainer.archive_previous=true`` moves them aside first."""
@@ -454,32 +412,19 @@ def test_a_fresh_start_never_mixes_with_an_earlier_run(tmp_path):
     for i in (4, 6):
         (run / "checkpoints" / f"iter_{i:07d}").mkdir(parents=True)
     (run / "metrics.jsonl").write_text('{"iteration": 5, "reward/mean": 0.5}\n')
-    rc, out = train(run, "trainer.resume=false", "trainer.iterations=1")
-    assert rc != 0 and "holds an earlier run" in out and "trainer.archive_previous=true" in out, out[-3000:]
+    line = refused(capsys, run, "trainer.resume=false", "trainer.iterations=1")
+    assert "holds an earlier run" in line and "trainer.archive_previous=true" in line, line
     assert (run / "metrics.jsonl").read_text() == '{"iteration": 5, "reward/mean": 0.5}\n'
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_0000004", "iter_0000006"]
 
 
-# What a two-rank layout must reproduce of the one-rank run, and how closely. Rollouts come from
-# the same engine, weights and per-sample seeds (rollout.sampling.per_sample_seeds): equal. The
-# unperturbed old-policy pass (mismatch/*) differs by fp32 summation order only. The loss forward
-# adds ALP noise drawn per (micro-batch, data-parallel rank, pipeline rank, sequence shard), so the
-# first-step loss metrics differ by the noise: at most 4e-3 relative with this seed (2e-2 allowed);
-# with perturbation.init_std=1e-10 every layout agrees with the one-rank run within 3e-6.
-ROLLOUT_KEYS = ("reward/mean", "reward/std", "response_length/mean", "response_length/max",
-                "response/truncated_frac")
-UNPERTURBED_KEYS = ("mismatch/kl_k1", "mismatch/kl_k3", "mismatch/pearson_r")
-LOSS_KEYS = ("loss/policy", "loss/total", "kl_ref/mean", "entropy/mean", "ratio/p2", "ratio/p50", "ratio/p98",
-             "grad_norm")
-TP2_SP = ("parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true")
-PP2 = ("parallel.pipeline_model_parallel_size=2",)
 RECOMPUTE = ("model.recompute=full",)  # the CPU shims must hold inside autograd's recomputation too
 PACKED = ("trainer.max_tokens_per_micro_batch=1024", "trainer.sequence_packing=true")
 
 
 def _train_two_ranks(run: Path, reference: Path, *overrides: str) -> str:
     if not (run / "base_model").exists():
-        shutil.copytree(reference / "base_model", run / "base_model")  # the same model, no second warm start
+        copy_run(reference, run, base_model_only=True)  # the same model, no second warm start
     rc, out = train(run, *overrides, nproc=2)
     assert rc == 0, out[-6000:]
     return out
@@ -507,20 +452,20 @@ def _check_matches_one_rank(layout: str, got: list[dict], reference: list[dict])
 
 
 @pytest.mark.slow
-def test_tensor_parallel_training_reproduces_the_one_rank_run(quickstart_run, tmp_path):
+def test_tensor_parallel_training_reproduces_the_one_rank_run(sync_run, tmp_path):
     """`megatron-alp train` on 2 gloo ranks with TP2+SP, vLLM in its engine-core subprocess on rank 0
     (the default suite checks the parallel layouts at the update: tests/test_policy_update.py)."""
-    _train_two_ranks(tmp_path / "tp2_sp", quickstart_run, "trainer.iterations=2", *TP2_SP)
-    _check_matches_one_rank("tp2_sp", metrics(tmp_path / "tp2_sp"), metrics(quickstart_run))
+    _train_two_ranks(tmp_path / "tp2_sp", sync_run, "trainer.iterations=2", *TP2_SP)
+    _check_matches_one_rank("tp2_sp", metrics(tmp_path / "tp2_sp"), metrics(sync_run))
 
 
 @pytest.mark.slow
-def test_pipeline_parallel_and_packed_data_parallel_training_reproduce_the_one_rank_run(quickstart_run, tmp_path):
+def test_pipeline_parallel_and_packed_data_parallel_training_reproduce_the_one_rank_run(sync_run, tmp_path):
     """PP2, and DP2 with full activation recomputation and packed, cost-balanced micro-batches."""
-    reference = metrics(quickstart_run)
+    reference = metrics(sync_run)
     layouts = {"pp2": PP2, "dp2_recompute_packed": RECOMPUTE + PACKED}
     for layout, overrides in layouts.items():
-        _train_two_ranks(tmp_path / layout, quickstart_run, "trainer.iterations=2", *overrides)
+        _train_two_ranks(tmp_path / layout, sync_run, "trainer.iterations=2", *overrides)
         _check_matches_one_rank(layout, metrics(tmp_path / layout), reference)
     for packed, padded in zip(metrics(tmp_path / "dp2_recompute_packed"), metrics(tmp_path / "pp2")):
         # the same rollouts: short sequences sharing masked rows leave less padding than 64 padded rows
@@ -529,34 +474,40 @@ def test_pipeline_parallel_and_packed_data_parallel_training_reproduce_the_one_r
         assert 1.0 <= packed["batch/dp_imbalance"] <= 1.05 and packed["batch/dp_imbalance_unbalanced"] >= 1.0, packed
 
 
+def test_data_parallel_training_reproduces_the_one_rank_run(sync_run, dp2_run):
+    """The shared run's first 2 iterations on 2 data-parallel ranks (tests/conftest.py: dp2_run);
+    every rank takes part in the validation after the last iteration (the rollout API is
+    collective) and rank 0 scores and logs it."""
+    two_ranks = metrics(dp2_run)
+    _check_matches_one_rank("dp2", two_ranks, metrics(sync_run))
+    assert ["val/reward_mean" in r for r in two_ranks] == [False, True]
+    r = two_ranks[-1]
+    assert r["val/pass@1"] == pytest.approx(r["val/reward_mean"]), r  # rewards are 0 or 1
+    assert 0 <= r["val/pass@1"] <= r["val/pass@2"] <= 1 and r["timing/val_s"] > 0, r
+
+
 @pytest.mark.slow
-def test_data_parallel_training_and_a_resumed_pipeline_parallel_run_reproduce_the_one_rank_run(
-        quickstart_run, tmp_path):
-    reference = metrics(quickstart_run)
-    _train_two_ranks(tmp_path / "dp2", quickstart_run, "trainer.iterations=2")
-    _check_matches_one_rank("dp2", metrics(tmp_path / "dp2"), reference)
-
-    # the checkpoint a PP=2 run saved after iteration 0 is loaded by the next PP=2 run
+def test_a_resumed_pipeline_parallel_run_reproduces_the_one_rank_run(sync_run, tmp_path):
+    """The checkpoint a PP=2 run saved after iteration 0 is loaded by the next PP=2 run."""
     run = tmp_path / "pp2_resumed"
-    _train_two_ranks(run, quickstart_run, "trainer.iterations=1", *PP2)
-    out = _train_two_ranks(run, quickstart_run, "trainer.iterations=2", *PP2)
+    _train_two_ranks(run, sync_run, "trainer.iterations=1", *PP2)
+    out = _train_two_ranks(run, sync_run, "trainer.iterations=2", *PP2)
     assert "resumed from" in out and "iter_0000001" in out, out[-6000:]
-    _check_matches_one_rank("pp2 resumed", metrics(run), reference)
+    _check_matches_one_rank("pp2 resumed", metrics(run), metrics(sync_run))
 
 
-# Asynchronous training: engines on their own CPU cores (here: the engine on one core, the trainer
-# ranks on the other), generating ahead of the trainer.
-SEPARATE = ("rollout.placement=separate",)
+# Asynchronous training (helpers.SEPARATE): engines on their own CPU cores (here: the engine on one
+# core, the trainer ranks on the other), generating ahead of the trainer.
 
 
-def test_async_training_on_two_ranks_bounds_staleness_exactly(quickstart_run, tmp_path):
+def test_async_training_on_two_ranks_bounds_staleness_exactly(sync_run, tmp_path):
     """trainer.max_staleness=2 on 2 data-parallel ranks sharing one core while the engine has the
     other: the trainer is the slow side, so the engine always has the next batches ready; batch b must
     still come from the weights of iteration max(0, b - 2), never older. Batch 0 comes from the
     initial weights with the same per-sample seeds as the synchronous one-rank run: the same rollouts."""
-    reference = metrics(quickstart_run)
+    reference = metrics(sync_run)
     run = tmp_path / "async_k2"
-    _train_two_ranks(run, quickstart_run, "trainer.iterations=4", *SEPARATE, "trainer.max_staleness=2")
+    _train_two_ranks(run, sync_run, "trainer.iterations=4", *SEPARATE, "trainer.max_staleness=2")
     m = metrics(run)
     assert [r["iteration"] for r in m] == [0, 1, 2, 3]
     assert [r["staleness/mean"] for r in m] == [0, 1, 2, 2]
@@ -577,7 +528,7 @@ def test_dynamic_sampling_fills_asynchronous_batches(dynamic_sampling_run, tmp_p
     synchronous one, and its extra rounds are generated with the current weights (staleness 0), so
     the trained batch is full, every group has signal, and no group is older than 1."""
     run = tmp_path / "async_dapo"
-    shutil.copytree(dynamic_sampling_run / "base_model", run / "base_model")  # no second warm start
+    copy_run(dynamic_sampling_run, run, base_model_only=True)  # no second warm start
     rc, out = train(run, *DAPO, "trainer.dynamic_sampling=true", "trainer.dynamic_sampling_max_rounds=8",
                     *SEPARATE, "trainer.max_staleness=1")
     assert rc == 0, out[-6000:]
@@ -618,25 +569,25 @@ def test_sigkill_mid_async_iteration_resumes(tmp_path):
     assert [r["staleness/max"] for r in m] == expected, (resumed_at, m)
 
 
-def test_validation_after_the_last_iteration(quickstart_run):
+def test_validation_after_the_last_iteration(sync_run):
     """`trainer.eval_interval`: val/* (average@k, pass@j) of data.val_files after every interval
     (10 in the quickstart) and after the last iteration, from the run's engine; the reward figure
     draws them."""
-    one_rank = metrics(quickstart_run)
-    assert ["val/reward_mean" in r for r in one_rank] == [False] * 7 + [True]
+    one_rank = metrics(sync_run)
+    assert ["val/reward_mean" in r for r in one_rank] == [False] * 2 + [True]
     r = one_rank[-1]
     assert r["val/pass@1"] == pytest.approx(r["val/reward_mean"]), r  # rewards are 0 or 1
     assert 0 <= r["val/pass@1"] <= r["val/pass@2"] <= 1 and r["timing/val_s"] > 0, r
-    assert (quickstart_run / "plots" / "reward.png").is_file()
+    assert (sync_run / "plots" / "reward.png").is_file()
 
 
 @pytest.mark.slow
-def test_validation_every_eval_interval_on_two_ranks(quickstart_run, tmp_path):
+def test_validation_every_eval_interval_on_two_ranks(sync_run, tmp_path):
     """On 2 ranks every rank takes part in validation sampling (the rollout API is collective) and
     rank 0 scores and logs."""
-    one_rank = metrics(quickstart_run)
+    one_rank = metrics(sync_run)
     run = tmp_path / "dp2"
-    _train_two_ranks(run, quickstart_run, "trainer.iterations=3", "trainer.eval_interval=2", "eval.k=2")
+    _train_two_ranks(run, sync_run, "trainer.iterations=3", "trainer.eval_interval=2", "eval.k=2")
     two_ranks = metrics(run)
     assert ["val/reward_mean" in r for r in two_ranks] == [False, True, True]
     for r in one_rank[-1:] + two_ranks[1:]:
@@ -659,7 +610,7 @@ def _check_calibrated(m: list[dict], calibrating: list[bool], target: float) -> 
     assert abs(math.log(m[0]["sigma/mean"] / 1e-4)) > 1, m[0]["sigma/mean"]
 
 
-def test_auto_sigma_is_calibrated_per_layer_before_the_first_update_and_every_k(quickstart_run, tmp_path):
+def test_auto_sigma_is_calibrated_per_layer_before_the_first_update_and_every_k(sync_run, tmp_path):
     """perturbation.init_std: auto, calibration_mode: per_layer on the quickstart (bf16 engine, fp32
     trainer), calibrate_every 2, target 2: iterations 0 and 2 probe the layers (engine awake) and
     calibrate on their own rollouts before their updates (one terminal line each), the perturbed KL
@@ -667,7 +618,7 @@ def test_auto_sigma_is_calibrated_per_layer_before_the_first_update_and_every_k(
     there are the calibrated ones, not the 1e-4 placeholder (tests/test_calibration.py checks the
     target with fresh noise, and the global mode on every layout)."""
     run = tmp_path / "auto"
-    shutil.copytree(quickstart_run / "base_model", run / "base_model")
+    copy_run(sync_run, run, base_model_only=True)
     rc, out = train(run, "trainer.iterations=3", "trainer.eval_interval=0", "trainer.save_interval=16",
                     "perturbation.init_std=auto", "perturbation.calibrate_every=2",
                     "perturbation.calibration_target=2", "perturbation.calibration_mode=per_layer")
@@ -677,12 +628,12 @@ def test_auto_sigma_is_calibrated_per_layer_before_the_first_update_and_every_k(
 
 
 @pytest.mark.slow
-def test_per_layer_calibration_on_two_tensor_parallel_ranks_with_sequence_parallelism(quickstart_run, tmp_path):
+def test_per_layer_calibration_on_two_tensor_parallel_ranks_with_sequence_parallelism(sync_run, tmp_path):
     """The layer probe under TP=2 with sequence parallelism: both ranks run the probe's forwards,
     the layer inputs are gathered from their sequence shards, rank 0 compares them with the engine's
     and every rank sets the same sigmas."""
     run = tmp_path / "tp2_sp"
-    out = _train_two_ranks(run, quickstart_run, "trainer.iterations=1", "trainer.eval_interval=0",
+    out = _train_two_ranks(run, sync_run, "trainer.iterations=1", "trainer.eval_interval=0",
                            "trainer.save_interval=16", "parallel.tensor_model_parallel_size=2",
                            "parallel.sequence_parallel=true", "perturbation.init_std=auto",
                            "perturbation.calibration_mode=per_layer")
@@ -712,12 +663,12 @@ def test_warm_start_leaves_out_the_box_on_a_fraction_of_prompts(tmp_path):
 
 
 @pytest.mark.slow
-def test_async_quickstart_reward_rises(quickstart_run, tmp_path):
+def test_async_quickstart_reward_rises(sync_run, tmp_path):
     """The quickstart task trained asynchronously (max_staleness=1, the engine on its own core) for
     12 iterations: the reward of the last 5 is at least 1.5x that of the first 5 (seed 1: 0.078 ->
     0.18; the full 40-iteration runs for several seeds are the slow test below)."""
     run = tmp_path / "async"
-    shutil.copytree(quickstart_run / "base_model", run / "base_model")  # the same warm start, not run again
+    copy_run(sync_run, run, base_model_only=True)  # the same warm start, not run again
     rc, out = train(run, "trainer.iterations=12", "trainer.prompts_per_iteration=32", "trainer.updates_per_iteration=4",
                     "trainer.eval_interval=0", "trainer.save_interval=16", *SEPARATE, "trainer.max_staleness=1")
     assert rc == 0, out[-6000:]

@@ -6,11 +6,10 @@ two-rank layouts reproduce the one-rank run."""
 import json
 import math
 import re
-import shutil
 from pathlib import Path
 
 import pytest
-from test_trainer import LOSS_KEYS, QUICKSTART_LORA, ROLLOUT_KEYS, TP2_SP, metrics, train  # noqa: E402
+from helpers import LOSS_KEYS, QUICKSTART_LORA, ROLLOUT_KEYS, TP2_SP, copy_run, metrics, train
 from torch.distributed.checkpoint import FileSystemReader
 
 # one update per iteration: iteration 0's update starts from B = 0, the base model itself
@@ -25,8 +24,10 @@ def lora_train(run: Path, *overrides: str, nproc: int = 1) -> str:
 
 
 @pytest.fixture(scope="module")
-def lora_run(tmp_path_factory) -> Path:
-    run = tmp_path_factory.mktemp("lora") / "one_rank"
+def lora_run(sync_run, tmp_path_factory) -> Path:
+    """The LoRA quickstart at CI size on one rank, from the shared run's warm-started base model (the
+    same tiny Qwen2 and warm start as the LoRA quickstart's)."""
+    run = copy_run(sync_run, tmp_path_factory.mktemp("lora") / "one_rank", base_model_only=True)
     lora_train(run)
     return run
 
@@ -67,7 +68,7 @@ def test_only_adapters_train_and_the_reference_is_the_base_model(lora_run):
 def test_a_lora_run_resumes_to_the_same_metrics(lora_run, tmp_path):
     """A run stopped after iteration 1's checkpoint and resumed reproduces the straight run."""
     run = tmp_path / "resumed"
-    shutil.copytree(lora_run / "base_model", run / "base_model")
+    copy_run(lora_run, run, base_model_only=True)
     lora_train(run, "trainer.iterations=1", "trainer.save_interval=1")
     out = lora_train(run, "trainer.save_interval=1")
     assert "resumed from" in out, out[-3000:]
@@ -88,7 +89,7 @@ def test_adapter_only_sync_serves_the_same_policy_with_the_adapters_bytes(lora_r
     """lora.sync: adapter: the engine applies the trained adapters itself (vLLM's LoRA) and agrees with
     the trainer as closely as after a merged sync; only the adapters' bytes travel."""
     run = tmp_path / "adapter_sync"
-    shutil.copytree(lora_run / "base_model", run / "base_model")
+    copy_run(lora_run, run, base_model_only=True)
     lora_train(run, "lora.sync=adapter")
     got, merged = metrics(run), metrics(lora_run)
     hf = json.loads((run / "base_model" / "config.json").read_text())
@@ -125,7 +126,7 @@ def _check_layout(layout: str, overrides: tuple, reference_run: Path, tmp_path: 
     come from adapters that differ by the noise's share of the update (about 1e-3 relative under DP2),
     which can change a few tokens the bf16 engine samples: lengths within 1%."""
     run = tmp_path / layout
-    shutil.copytree(reference_run / "base_model", run / "base_model")
+    copy_run(reference_run, run, base_model_only=True)
     lora_train(run, *overrides, nproc=2)
     got, base = metrics(run), metrics(reference_run)
     assert [r["iteration"] for r in got] == [0, 1]

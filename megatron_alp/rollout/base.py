@@ -149,8 +149,15 @@ def collect_samples(engine: str, prompts: list[list[int]], n: int, attempts: int
     return [[done[(i, j)] for j in range(n)] for i in range(len(prompts))]
 
 
+# What :meth:`RolloutEngine.layer_states` can show of each decoder layer: ``input``, the residual stream
+# entering it; ``residual``, the stream after it; ``attention`` and ``mlp``, the branches it adds
+LAYER_KINDS = ("input", "residual", "attention", "mlp")
+
+
 class RolloutEngine(abc.ABC):
-    """An inference engine that samples responses and takes weight updates from the trainer."""
+    """An inference engine that samples responses and takes weight updates from the trainer. Its
+    ``memory`` (:class:`~megatron_alp.rollout.engine_memory.EngineMemory`) holds what of its memory is
+    awake and moves it with the library's sleep/wake calls."""
 
     name: ClassVar[str]
     # How weights can reach the engine (``rollout.sync_method``), preferred first.
@@ -187,18 +194,11 @@ class RolloutEngine(abc.ABC):
         raise RolloutError(f"rollout.engine {self.name} cannot apply LoRA adapters itself (lora.sync: adapter); "
                            "use lora.sync: merged")
 
-    def layer_states(self, sequences: list[list[int]]) -> list[dict[str, torch.Tensor]]:
-        """Per token sequence, fed whole as one prompt, and per kind (``input``: the residual stream
-        entering each decoder layer; ``residual``: after it; ``attention``, ``mlp``: its branches)
+    def layer_states(self, sequences: list[list[int]], kinds: tuple[str, ...] = LAYER_KINDS
+                     ) -> list[dict[str, torch.Tensor]]:
+        """Per token sequence, fed whole as one prompt, and per kind of ``kinds`` (:data:`LAYER_KINDS`)
         ``[layers, len(sequence), hidden]`` float32, where :attr:`captures_layers`."""
         raise RolloutError(f"rollout.engine {self.name} cannot show its layers' hidden states")
-
-    def sleep(self) -> None:
-        """Free accelerator memory (KV cache, weights) while the trainer runs, where supported."""
-
-    def wake_up(self, tags: Optional[tuple[str, ...]] = None) -> None:
-        """Undo :meth:`sleep`: all of it (``tags`` None) before a generation, or only ``("weights",)``
-        for a weight sync, so the KV cache stays freed beside Megatron's state."""
 
     def shutdown(self) -> None:
         """Release the engine (processes, memory)."""

@@ -30,8 +30,9 @@ waiting.
 - One-rank jobs run vLLM in process (it starts in seconds and weights arrive in memory);
   under torchrun each replica's vLLM runs in its engine-core subprocess (an in-process vLLM
   would adopt the trainer's default process group and wait for the other ranks). On GPUs a
-  replica sleeps (weights offloaded, KV cache freed) while Megatron trains when
-  ``free_memory_during_training`` is set.
+  replica sleeps while Megatron trains when ``free_memory_during_training`` is set: KV cache freed,
+  weights offloaded, or dropped when the next weight sync re-sends them all
+  (:mod:`~megatron_alp.rollout.engine_memory`).
 
 Weight sync streams :func:`megatron_alp.models.hf_weights.iter_hf_weights` (TP/PP/EP gathered in
 ``sync_bucket_mb`` buckets, ALP sigmas skipped) to the replica leaders only, who hand the buckets
@@ -64,6 +65,7 @@ from megatron_alp.models.families import load_hf_config
 from megatron_alp.models.hf_weights import iter_hf_weights
 from megatron_alp.models.lora_export import peft_adapter_config, peft_adapter_tensors
 from megatron_alp.rollout.base import (
+    LAYER_KINDS,
     Adapter,
     Completion,
     EngineRestarted,
@@ -193,13 +195,13 @@ class DistributedRollout:
 
     # ---------------------------------------------------------------------------- plumbing
 
-    def broadcast(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` on every rank, over the rollout's CPU group (which tolerates the long
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank, over the rollout's CPU group (which tolerates the long
         waits of generation): e.g. the output of code that rank 0 ran for a multi-turn episode."""
         if not self.multi:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.group)
+        dist.broadcast_object_list(box, src=src, group=self.group)
         return box[0]
 
     def _gather(self, obj: Any) -> list[Any]:
@@ -526,18 +528,27 @@ class DistributedRollout:
             return {}
         return {"sync/verify_mean_abs_diff": worst["mean"], "sync/verify_max_abs_diff": worst["max"]}
 
-    def layer_states(self, sequences: list[list[int]]) -> Optional[list[dict[str, torch.Tensor]]]:
-        """Replica 0's :meth:`RolloutEngine.layer_states` of ``sequences``, on rank 0 (its leader;
-        None elsewhere: the states are ``[layers, tokens, hidden]`` per kind and sequence, too large
-        to send around). Every rank calls it; a failure raises on every rank."""
+    @property
+    def prober(self) -> int:
+        """The rank whose engine shows its layers (:meth:`layer_states`): :func:`probe_leader`."""
+        return probe_leader(self.layout, self.live)
+
+    def layer_states(self, sequences: list[list[int]], kinds: tuple[str, ...] = LAYER_KINDS
+                     ) -> Optional[list[dict[str, torch.Tensor]]]:
+        """The first live replica's :meth:`RolloutEngine.layer_states` of ``sequences`` (only
+        ``kinds``), on its leader (:attr:`prober`; None elsewhere: the states are ``[layers, tokens,
+        hidden]`` per kind and sequence, too large to send around). Every rank calls it; a failure
+        raises on every rank."""
+        source = self.prober
         states, error = None, None
-        if self.rank == 0:
+        if self.rank == source:
             try:
-                states = self._run(lambda engine: engine.layer_states(sequences))[1]
+                states = self._run(lambda engine: engine.layer_states(sequences, kinds))[1]
             except Exception as err:
                 error = err
-        self._check([self.broadcast(_picklable(error))] + [None] * (self.replicas - 1), error,
-                    "capturing the engine's layer states")
+        failures: list = [None] * self.replicas
+        failures[self.layout.replica_of(source)] = self.broadcast(_picklable(error), src=source)
+        self._check(failures, error, "capturing the engine's layer states")
         return states
 
     def _vocab_size(self) -> int:
@@ -550,28 +561,26 @@ class DistributedRollout:
 
     # --------------------------------------------------------------------------- lifecycle
 
-    def set_memory(self, state: str) -> None:
-        """Put the colocated engines' memory in ``state``: ``asleep`` (weights and KV cache freed
-        while the trainer trains), ``weights`` (the weights awake for a sync, no KV cache) or
-        ``awake``. Separate engines, and engines told not to free memory, stay awake."""
-        if self.cfg.placement != "colocated" or not self.cfg.free_memory_during_training:
-            state = "awake"
-        if state == self.memory:
-            return
+    @property
+    def sleeps(self) -> bool:
+        """Whether the engines give their memory back while Megatron trains: colocated engines with
+        ``free_memory_during_training`` (the others stay awake)."""
+        return self.cfg.placement == "colocated" and self.cfg.free_memory_during_training
+
+    def set_memory(self, state: str, resync: bool = False) -> None:
+        """Put the engines' memory in ``state`` where they sleep (:attr:`sleeps`): ``asleep`` (weights
+        and KV cache freed while the trainer trains), ``weights`` (the weights awake for a sync, no KV
+        cache) or ``awake``. ``resync``: a weight sync comes before the engines generate again
+        (:meth:`~megatron_alp.rollout.engine_memory.EngineMemory.move`)."""
+        state = state if self.sleeps else "awake"
         if self.engine is not None:
-            if state == "asleep" or (state == "weights" and self.memory == "awake"):
-                self.engine.sleep()
-            if state == "weights":
-                self.engine.wake_up(tags=("weights",))
-            elif state == "awake":
-                self.engine.wake_up()
+            self.engine.memory.move(state, resync=resync)
         self.memory = state
 
-    def sleep(self) -> None:
-        self.set_memory("asleep")
-
-    def wake_up(self) -> None:
-        self.set_memory("awake")
+    @property
+    def held_memory(self) -> Optional[str]:
+        """What of this rank's engine memory is awake, read from the engine (None without an engine)."""
+        return self.engine.memory.state if self.engine is not None else None
 
     def shutdown(self) -> None:
         self._release()
@@ -586,6 +595,12 @@ class DistributedRollout:
         if self.producer is not None:
             self.producer.join(timeout=30)
             self.producer = None
+
+
+def probe_leader(layout: ReplicaLayout, live: list[int]) -> int:
+    """The rank that captures an engine's layer states: the leader of the first live replica (replica 0
+    may have been retired)."""
+    return layout.leader(min(live))
 
 
 def _data_parallel_size(world: int) -> int:

@@ -21,8 +21,10 @@ quoted in every startup or crash error.
 - Failures: a request that times out is aborted and retried; if the server process has exited
   it is restarted from the last synced folder (no weights are lost) and the request retried, up
   to ``max_retries``; then :class:`RolloutError`.
-- ``sleep``/``wake_up`` release and resume GPU memory (``--enable-memory-saver``) when
-  ``free_memory_during_training`` is set.
+- Memory (``free_memory_during_training``): the server runs with ``--enable-memory-saver`` and
+  ``--enable-weights-cpu-backup`` (released weights come back as they were, not as garbage), and
+  :attr:`SGLangEngine.memory` releases and resumes each kind by its tag
+  (:class:`~megatron_alp.rollout.engine_memory.SGLangMemory`).
 - Routed experts (``rollout.return_routed_experts``, MoE routing replay R3): the server runs with
   ``--enable-return-routed-experts`` and every request asks ``return_routed_experts``; the answer's
   ``meta_info["routed_experts"]`` is the base64 of int32 expert ids of every token fed through the
@@ -62,14 +64,11 @@ from megatron_alp.rollout.base import (
     register_engine,
     resolve_max_model_len,
 )
+from megatron_alp.rollout.engine_memory import SGLangMemory
 from megatron_alp.rollout.placement import Placement, placement_vars
 from megatron_alp.rollout.quantization import check_model_not_prequantized, sglang_quantization_args
 from megatron_alp.rollout.weight_sync import WeightStream, default_sync_root, is_finite, write_hf_checkpoint
 from megatron_alp.runtime.platform import has_gpu
-
-# What /release_memory_occupation frees when asked for everything (SGLang 0.5.23's GPU_MEMORY_ALL_TYPES)
-SGLANG_MEMORY_KINDS = ("cuda_graph", "kv_cache", "weights")
-
 
 def check_sglang_sampling(params: SamplingParams) -> None:
     """SGLang's logprobs are those of the unfiltered tempered distribution: refuse filters."""
@@ -119,7 +118,7 @@ def server_command(cfg: RolloutConfig, model_path: str, tokenizer_path: str, max
     if cfg.enforce_eager:
         cmd.append("--disable-cuda-graph")
     if cfg.free_memory_during_training:
-        cmd.append("--enable-memory-saver")
+        cmd += ["--enable-memory-saver", "--enable-weights-cpu-backup"]
     if cfg.return_routed_experts:
         cmd.append("--enable-return-routed-experts")
     return cmd + sglang_quantization_args(cfg) + list(cfg.sglang_args)
@@ -177,7 +176,6 @@ class SGLangEngine(RolloutEngine):
         self._log_path = self._sync_root / "sglang_server.log"
         self._weights_dir: Optional[Path] = None
         self._proc: Optional[subprocess.Popen] = None
-        self._asleep: set[str] = set()  # SGLang's memory kinds released now
         self.restarts = 0
         # Replicas on one node listen on consecutive ports.
         self._port = cfg.sglang_port + (placement.replica if placement is not None else 0)
@@ -213,7 +211,8 @@ class SGLangEngine(RolloutEngine):
                 raise RolloutError(f"the SGLang server exited with code {self._proc.returncode} while starting "
                                    f"({' '.join(cmd)}); last log lines:\n{self._log_tail()}")
             if self._healthy(timeout=5.0):
-                self._asleep = set()
+                # all awake, released and resumed by kind through the server's endpoints below
+                self.memory = SGLangMemory(self if self.cfg.free_memory_during_training else None)
                 return
             time.sleep(1.0)
         self._stop()
@@ -262,19 +261,13 @@ class SGLangEngine(RolloutEngine):
 
     # --------------------------------------------------------------------------- memory
 
-    def sleep(self) -> None:
-        if self.cfg.free_memory_during_training and not self._asleep:
-            self._post("/release_memory_occupation", {}, timeout=self.cfg.request_timeout_s)
-            self._asleep = set(SGLANG_MEMORY_KINDS)
+    def release_memory_occupation(self, tags: list[str]) -> None:
+        """Free the server's memory of these kinds (:class:`SGLangMemory` calls it)."""
+        self._post("/release_memory_occupation", {"tags": tags}, timeout=self.cfg.request_timeout_s)
 
-    def wake_up(self, tags: Optional[tuple[str, ...]] = None) -> None:
-        """SGLang resumes every kind of memory for an empty request; a weight update asks for the
-        weights only (``tags: ["weights"]``), so its KV cache stays released beside Megatron's state."""
-        waking = self._asleep if tags is None else self._asleep & set(tags)
-        if waking:
-            self._post("/resume_memory_occupation", {"tags": sorted(waking)},
-                       timeout=self.cfg.request_timeout_s)
-            self._asleep -= waking
+    def resume_memory_occupation(self, tags: list[str]) -> None:
+        """Take the server's memory of these kinds back (:class:`SGLangMemory` calls it)."""
+        self._post("/resume_memory_occupation", {"tags": tags}, timeout=self.cfg.request_timeout_s)
 
     # -------------------------------------------------------------------------- weights
 
@@ -282,7 +275,7 @@ class SGLangEngine(RolloutEngine):
         version = int(self._weights_dir.name.rsplit("-", 1)[1]) + 1 if self._weights_dir else 1
         folder = write_hf_checkpoint(WeightStream(weights), self._sync_root / f"weights-{version:06d}",
                                      bucket_bytes=self.cfg.sync_bucket_mb << 20, config_dir=self.model_dir)
-        self.wake_up(tags=("weights",))  # the KV cache stays released beside Megatron's state
+        self.memory.wake_weights()  # the KV cache stays released beside Megatron's state
         try:
             reply = self._post("/update_weights_from_disk", {"model_path": str(folder)},
                                timeout=self.cfg.request_timeout_s)
@@ -294,6 +287,7 @@ class SGLangEngine(RolloutEngine):
         if not (isinstance(reply, dict) and reply.get("success")):
             shutil.rmtree(folder, ignore_errors=True)
             raise RolloutError(f"SGLang refused the weight update: {reply}")
+        self.memory.synced()
         old, self._weights_dir = self._weights_dir, folder
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
@@ -304,7 +298,7 @@ class SGLangEngine(RolloutEngine):
                  keys: Optional[list[int]] = None) -> list[list[Completion]]:
         check_prompts(prompts, self.vocab_size, self._max_len)
         check_sglang_sampling(params)
-        self.wake_up()
+        self.memory.move("awake")
         sampling = {"temperature": params.temperature, "top_p": 1.0, "top_k": -1,
                     "max_new_tokens": params.max_tokens, "stop": list(params.stop) or None,
                     "no_stop_trim": params.include_stop_str_in_output}

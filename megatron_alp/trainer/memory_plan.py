@@ -16,7 +16,10 @@ phase keeps of Megatron's state and of the engine's memory), and any of them can
 - **sync verification**: Megatron's weights and a probe's forward pass beside the awake engine;
 - **layer probe** (``perturbation.calibration_mode: per_layer``): Megatron's weights and a plain
   forward of one probe sequence (full logits) beside the awake engine;
-- **checkpoint save**: weights and optimizer state, the engine asleep.
+- **checkpoint save**: the policy's weights and optimizer state (the reference stays offloaded), the
+  engine asleep, and what the save allocates on the GPU: nothing with the distributed optimizer's
+  state gathered over gloo on the host (``save_transient`` of megatron_alp/training/dist_checkpoint.py,
+  which the save's format and this count share; its host memory is a note of the plan).
 
 A run with ``rollout.placement: separate`` keeps the two apart. Its GPU count (``--gpus``) is the
 trainer's world size, the GPUs torchrun starts ranks on: ``nproc_per_node`` per node, on the node's
@@ -120,7 +123,9 @@ from megatron_alp.rollout.base import resolve_max_model_len
 from megatron_alp.rollout.placement import auto_replicas, check_sync_placement, replica_layout
 from megatron_alp.trainer.phases import PHASES, PhaseSpec
 from megatron_alp.training.calibration import LAYER_PROBE_TOKENS
+from megatron_alp.training.dist_checkpoint import SaveTransient, save_transient
 from megatron_alp.training.logprobs import CHUNK_ELEMENTS
+from megatron_alp.training.offload import parts_of
 
 GiB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -514,6 +519,16 @@ def _stage_params(arch: Architecture, lay: Layout) -> list[tuple[int, int]]:
     return [(layers * dense + embed, layers * expert), (layers * dense + embed + arch.hidden, layers * expert)]
 
 
+def _trained_params(cfg: Config, arch: Architecture, lay: Layout, dense: int, expert: int) -> tuple[int, int]:
+    """(dense, expert) parameters of one rank that have gradients and optimizer state: with LoRA the
+    adapters only, the base being frozen."""
+    if not cfg.lora.enabled:
+        return dense, expert
+    layers = arch.layers // lay.pp
+    dense, expert = arch.adapter_params(cfg.lora, lay.tp, lay.ep, lay.etp)
+    return layers * dense, layers * expert
+
+
 def _megatron_state(cfg: Config, arch: Architecture, lay: Layout, dense: int, expert: int) -> list[Item]:
     """Weights (policy and reference), gradient buffer and optimizer state of one rank. With LoRA the
     base is frozen (no gradient, no optimizer state) and the reference is the same weights with the
@@ -526,8 +541,7 @@ def _megatron_state(cfg: Config, arch: Architecture, lay: Layout, dense: int, ex
     items = [Item("weights", f"policy weights ({cfg.model.dtype})", params * b,
                   f"{_count(params)} params{split} x {b} B")]
     if cfg.lora.enabled:
-        layers = arch.layers // lay.pp
-        dense, expert = (layers * n for n in arch.adapter_params(cfg.lora, lay.tp, lay.ep, lay.etp))
+        dense, expert = _trained_params(cfg, arch, lay, dense, expert)
         params = dense + expert
         items = [Item("weights", f"policy weights ({cfg.model.dtype}): frozen base + LoRA", items[0].nbytes + params * b,
                       f"{items[0].basis} + {_count(params)} adapter params (rank {cfg.lora.rank}) x {b} B")]
@@ -750,7 +764,9 @@ def _table_phase(cfg: Config, arch: Architecture, lay: Layout, spec: PhaseSpec, 
     memory it keeps awake on a GPU that holds an engine."""
     r = cfg.rollout
     moves = r.placement == "colocated" and r.free_memory_during_training
+    part_of = {"weights": "policy", "reference": "reference", "grads": "grads", "optimizer": "optimizer"}
     kind_of = {"weights": "weights", "reference": "weights", "grads": "grads", "optimizer": "optimizer"}
+    needed = parts_of(spec.megatron)
     candidates = []
     stages = _stage_params(arch, lay)
     for index, (dense, expert) in enumerate(stages):
@@ -759,10 +775,13 @@ def _table_phase(cfg: Config, arch: Architecture, lay: Layout, spec: PhaseSpec, 
         if spec.name != "warm_start":
             for item in _megatron_state(cfg, arch, lay, dense, expert):
                 kind = kind_of[item.key]
-                if kind not in spec.megatron and moves and getattr(r, f"offload_{kind}"):
+                if part_of[item.key] not in needed and moves and getattr(r, f"offload_{kind}"):
                     how = "released" if kind == "grads" else "offloaded"
                     item = Item(item.key, item.label, 0, f"{how} (rollout.offload_{kind}; not needed here)")
                 items.append(item)
+        if spec.work == "save":
+            saving = _save_transient(cfg, arch, lay, dense, expert)
+            items.append(Item("save_transient", "optimizer state gathered for the save", saving.gpu, saving.basis))
         engine_here = (0 if first else lay.pp - 1) in lay.stages_with_engine()
         if spec.work == "bucket":
             items.append(_sync_bucket(cfg, arch, leader=engine_here and r.sync_method != "broadcast"))
@@ -781,6 +800,19 @@ def _table_phase(cfg: Config, arch: Architecture, lay: Layout, spec: PhaseSpec, 
         where = "GPU 0" if lay.pp == 1 else "first pipeline stage" if first else "last pipeline stage"
         candidates.append(Phase(spec.name, spec.title, where, tuple(items)))
     return max(candidates, key=lambda p: p.total)
+
+
+def _save_transient(cfg: Config, arch: Architecture, lay: Layout, dense: int, expert: int) -> SaveTransient:
+    """What a checkpoint save of one rank allocates beyond its state (megatron_alp/training/dist_checkpoint.py):
+    the distributed optimizer's buffers (dense over DP, expert over expert-DP) are gathered, and the
+    writer stages the GPU tensors the rank writes: its weights, and a plain optimizer's state."""
+    b = DTYPE_BYTES[cfg.model.dtype]
+    trained_dense, trained_expert = _trained_params(cfg, arch, lay, dense, expert)
+    staged = (dense + expert) * b
+    if not lay.distributed_optimizer:
+        return save_transient([], staged + (12 if b == 2 else 8) * (trained_dense + trained_expert))
+    buffers = [(trained_dense, lay.dp)] + ([(trained_expert, lay.expert_dp)] if trained_expert else [])
+    return save_transient(buffers, staged)
 
 
 def _separate_rollout(cfg: Config, arch: Architecture, lay: Layout, gpu_mem_gib: float, engine_weights: int,
@@ -870,6 +902,7 @@ def _plan(cfg: Config, gpus: int, gpu_mem_gib: float, hf: dict, source: str,
     kept = set(rollout.resident)
     offloaded = 0 if lay.separate else sum(i.nbytes for i in _megatron_state(cfg, arch, lay, *_stage_params(arch, lay)[0])
                                            if i.key not in kept and i.key != "grads")  # gradients are dropped
+    save_host = max(_save_transient(cfg, arch, lay, *stage).host for stage in _stage_params(arch, lay))
     micro_batch = MicroBatchShape.of(cfg, seq, t.max_tokens_per_micro_batch).describe
     if _logprob_budget(cfg):
         micro_batch += f"; old/reference logprob passes {_logprob_budget(cfg)} tokens (forward only)"
@@ -883,7 +916,9 @@ def _plan(cfg: Config, gpus: int, gpu_mem_gib: float, hf: dict, source: str,
         "nothing offloaded: Megatron's state stays on the trainer GPUs, each engine keeps its own GPU "
         "(rollout.placement: separate)" if lay.separate else
         f"host memory for the offloaded state: {_gib(offloaded)} GiB per GPU",
-    ) + _routing_note(cfg, arch, lay, responses, seq)
+    ) + _routing_note(cfg, arch, lay, responses, seq) + (
+        f"checkpoint save: {_gib(save_host)} GiB of host memory on a data-parallel group's first rank (the "
+        "optimizer state gathered, the weights staged for writing)",)
     return MemoryPlan(source, lay.describe(bool(arch.experts)), gpus, total, phases, offloaded,
                       notes, tuple(problems), tuple(failing), engine_weights + ENGINE_WORKSPACE_BYTES + one_sequence,
                       engine_gpus=lay.engine_gpu_count)

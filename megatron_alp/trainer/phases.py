@@ -13,6 +13,11 @@ storages, and on GPUs the memory in use and the trainer's peak) to ``RUN/phase_l
 the offload windows then run on the CPU too, so a CPU run proves the trainer follows the table.
 ``timing/<phase>_s`` is a phase's wall time and ``memory/<phase>_peak_gib`` the trainer
 allocator's peak during it (GPUs only).
+
+At every phase entry the runner also reads what the engine really holds (its
+:class:`~megatron_alp.rollout.engine_memory.EngineMemory`, whose books are kept on the CPU too) and
+compares it with the table: a mismatch is an error under ``MEGATRON_ALP_STRICT_PHASES=1`` (the tests
+set it) and one warning line otherwise.
 """
 
 from __future__ import annotations
@@ -28,11 +33,13 @@ from typing import Iterator, Optional
 
 import torch
 
+from megatron_alp.runtime.console import say
 from megatron_alp.runtime.platform import has_gpu
 from megatron_alp.trainer.hang_watch import HangWatch
 from megatron_alp.training.offload import KINDS, TrainingStateOffloader
 
 ENGINE_STATES = ("none", "asleep", "weights", "awake")  # no engine yet; all memory freed; weights only; all
+STRICT_ENV = "MEGATRON_ALP_STRICT_PHASES"  # "1": an engine holding other memory than its phase's is an error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +50,9 @@ class PhaseSpec:
     engine: str  # the engine memory it needs awake (ENGINE_STATES)
     work: str  # what else it allocates, for the plan: update, forward, bucket, probe, layer_probe, or nothing
     plan_row: str  # the row of `megatron-alp plan` that counts it
+    # a weight sync comes before the engine generates again: an engine put to sleep here may drop weights
+    # that sync re-sends instead of keeping a host copy (vLLM's sleep level 2; not with lora.sync: adapter)
+    resync: bool = False
 
     @property
     def empties_cache(self) -> bool:
@@ -62,14 +72,14 @@ PHASES: dict[str, PhaseSpec] = {p.name: p for p in (
     PhaseSpec("layer_probe", "layer probe (perturbation.calibration_mode: per_layer: layer inputs on both sides)",
               ("weights",), "awake", "layer_probe", "layer_probe"),
     PhaseSpec("logprob", "old/reference logprob passes (and sigma calibration)", ("weights",), "asleep",
-              "forward", "training"),
-    PhaseSpec("policy_update", "policy update", KINDS, "asleep", "update", "training"),
+              "forward", "training", resync=True),
+    PhaseSpec("policy_update", "policy update", KINDS, "asleep", "update", "training", resync=True),
     PhaseSpec("weight_sync", "weight sync (engine weights awake, no KV cache)", ("weights",), "weights",
               "bucket", "weight_sync"),
     PhaseSpec("sync_verification", "sync verification (rollout.verify_sync: probe on both sides)", ("weights",),
               "awake", "probe", "sync_verification"),
     PhaseSpec("validation", "validation (engine awake)", (), "awake", "", "rollout"),
-    PhaseSpec("checkpoint_save", "checkpoint save", ("weights", "optimizer"), "asleep", "", "checkpoint_save"),
+    PhaseSpec("checkpoint_save", "checkpoint save", ("policy", "optimizer"), "asleep", "save", "checkpoint_save"),
 )}
 
 
@@ -115,6 +125,7 @@ class PhaseRunner:
         self.rollout = None
         self.iteration = 0
         self._stats: dict[str, float] = {}
+        self._warned: set[str] = set()
         self._ledger = ledger
         if ledger is not None:
             ledger.parent.mkdir(parents=True, exist_ok=True)
@@ -132,18 +143,20 @@ class PhaseRunner:
         spec = PHASES[name]
         if self._ledger is not None and self.current is not None:
             self._record_exit()
-        engine = self.rollout
+        engine = self.rollout if spec.engine != "none" else None  # the phases before the engine leave it be
         going_down = engine is not None and _engine_rank(spec.engine) < _engine_rank(engine.memory)
         if self.offloader is not None:
             self._add(self.offloader.offload([k for k in KINDS if k not in spec.megatron]))
         if going_down:
-            engine.set_memory(spec.engine)
+            engine.set_memory(spec.engine, resync=spec.resync)
         if spec.empties_cache and has_gpu():
             torch.cuda.empty_cache()
         if self.offloader is not None:
             self._add(self.offloader.reload(spec.megatron))
-        if engine is not None and not going_down and spec.engine != "none":
-            engine.set_memory(spec.engine)
+        if engine is not None:
+            if not going_down:
+                engine.set_memory(spec.engine, resync=spec.resync)
+            self._check_engine(spec)
         self.current = name
         if self._ledger is not None:
             self._record_entry(spec)
@@ -160,6 +173,20 @@ class PhaseRunner:
         finally:
             if before is not None:
                 self.enter(before)
+
+    def _check_engine(self, spec: PhaseSpec) -> None:
+        """The engine holds the memory of the phase (all of it where engines never sleep): a mismatch
+        raises under ``MEGATRON_ALP_STRICT_PHASES=1``, else it is one warning line (once per mismatch)."""
+        held = self.rollout.held_memory
+        wanted = spec.engine if self.rollout.sleeps else "awake"
+        if held is None or held == wanted:
+            return
+        problem = f"phase {spec.name}: the rollout engine's memory is {held!r}, the phase table wants {wanted!r}"
+        if os.environ.get(STRICT_ENV) == "1":
+            raise RuntimeError(problem)
+        if problem not in self._warned:
+            self._warned.add(problem)
+            say(f"warning: {problem}")
 
     def take_stats(self) -> dict[str, float]:
         """``offload/*`` and ``reload/*`` of the moves since the last call, summed."""
@@ -188,6 +215,7 @@ class PhaseRunner:
         """What this rank holds now: Megatron's bytes per kind, the engine memory awake, the GPU in use."""
         row["megatron"] = self.measure.resident_bytes() if self.measure is not None else None
         row["engine"] = self.rollout.memory if self.rollout is not None else "none"
+        row["engine_held"] = self.rollout.held_memory if self.rollout is not None else None
         if has_gpu():
             free, total = torch.cuda.mem_get_info()
             row["gpu_used_gib"] = (total - free) / 2**30

@@ -49,7 +49,7 @@ from megatron_alp.runtime.run_log import read_metrics
 from megatron_alp.runtime.seeding import derive_seed, seed_everything
 from megatron_alp.tir.sandbox import SandboxExecutor
 from megatron_alp.trainer.base_model import base_model_dir, check_model_dir, make_base_model
-from megatron_alp.trainer.hang_watch import HangWatch
+from megatron_alp.trainer.hang_watch import HangWatch, watching
 from megatron_alp.trainer.inputs import check_run_inputs
 from megatron_alp.trainer.memory_plan import check_fits
 from megatron_alp.trainer.metrics import (
@@ -161,8 +161,7 @@ class RLTrainer:
         self.sampler = PromptSampler(dataset, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         self.reward_fn = build_reward(cfg.reward) if self.rank == 0 else None
         self.args = hf_to_megatron(load_hf_config(self.model_dir))
-        self._build_models()
-        self._start_rollout(resumed=self._maybe_resume())
+        self._start_rollout(resumed=self._build_models())
         self.batches = build_batch_source(cfg, self.rollout, self.sampler, Scorer(cfg, self.reward_fn),
                                           tokenizer=self.tokenizer, executor=self.executor)
         self.logger = open_run_logger(cfg, self.iteration) if self.rank == 0 else None
@@ -180,29 +179,29 @@ class RLTrainer:
         dist.barrier()
         return path
 
-    def _build_models(self) -> None:
+    def _build_models(self) -> bool:
         cfg = self.cfg
         self.phases.enter("model_build")
-        total_steps = cfg.trainer.iterations * cfg.trainer.updates_per_iteration
-        policy = build_policy(self.args, cfg, self.model_dir, total_steps)
-        self.policy, self.optimizer, self.scheduler, self.policy_module = (
-            policy.model, policy.optimizer, policy.scheduler, policy.module)
-        self.routing = RoutingPlan.for_config(cfg)
-        self.reference = None  # with LoRA: the policy itself, scored with its adapters off
-        if needs_ref_logprobs(cfg.loss):
-            self.reference = (self.policy if cfg.lora.enabled else
-                              build_reference(self.args, cfg, cfg.model.load or self.model_dir))
+        with watching(self.phases.watch):  # checksums, HF weights and a checkpoint, read from shared storage
+            ckpt = intact_checkpoint(self.run_dir, log=say if self.rank == 0 else lambda line: None) if (
+                cfg.trainer.resume) else None
+            total_steps = cfg.trainer.iterations * cfg.trainer.updates_per_iteration
+            policy = build_policy(self.args, cfg, self.model_dir, total_steps, resuming=ckpt is not None)
+            self.policy, self.optimizer, self.scheduler, self.policy_module = (
+                policy.model, policy.optimizer, policy.scheduler, policy.module)
+            self.routing = RoutingPlan.for_config(cfg)
+            self.reference = None  # with LoRA: the policy itself, scored with its adapters off
+            if needs_ref_logprobs(cfg.loss):
+                self.reference = (self.policy if cfg.lora.enabled else
+                                  build_reference(self.args, cfg, cfg.model.load or self.model_dir))
+            resumed = ckpt is not None and self._resume(ckpt)
         self.need_old = needs_old_logprobs(cfg.loss.name) or cfg.trainer.mismatch_metrics or self.routing.needs_old_pass
-        chunks = model_chunks(self.policy) + ([self.reference] if self.reference not in (None, self.policy) else [])
-        offloader = offloader_for(cfg.rollout, chunks, self.optimizer, on_cpu=cfg.trainer.phase_ledger)
-        self.phases.attach(offloader=offloader, measure=TrainingStateOffloader(chunks, self.optimizer, kinds=()))
+        chunks, reference = model_chunks(self.policy), [m for m in [self.reference] if m not in (None, self.policy)]
+        offloader = offloader_for(cfg.rollout, chunks, self.optimizer, reference, on_cpu=cfg.trainer.phase_ledger)
+        self.phases.attach(offloader=offloader, measure=TrainingStateOffloader(chunks, self.optimizer, (), reference))
+        return resumed  # from the run's newest intact checkpoint (then no initial policy weights were read)
 
-    def _maybe_resume(self) -> bool:
-        if not self.cfg.trainer.resume:
-            return False
-        ckpt = intact_checkpoint(self.run_dir, log=say if self.rank == 0 else lambda line: None)
-        if ckpt is None:
-            return False
+    def _resume(self, ckpt: Path) -> bool:
         extra = load_checkpoint(ckpt, self.policy_module, optimizer=self.optimizer, opt_param_scheduler=self.scheduler)
         line = relayout_line(ckpt, read_metadata(ckpt).get("layout", {}), current_layout(self.optimizer),
                              perturbed=self.cfg.perturbation.enabled)
@@ -387,9 +386,10 @@ class RLTrainer:
         self.phases.enter("checkpoint_save")
         extra = {"iteration": self.iteration, "step": self.step, "sampler": self.batches.resume_state(),
                  "policy_version": self.rollout.version}
-        save_checkpoint(checkpoint_dir(self.run_dir, self.iteration), self.policy_module, optimizer=self.optimizer,
-                        opt_param_scheduler=self.scheduler, extra=extra, hf_dir=self.model_dir,
-                        before_commit=kill_during_save)
+        with watching(self.phases.watch, saving=checkpoint_dir(self.run_dir, self.iteration)):
+            save_checkpoint(checkpoint_dir(self.run_dir, self.iteration), self.policy_module, optimizer=self.optimizer,
+                            opt_param_scheduler=self.scheduler, extra=extra, hf_dir=self.model_dir,
+                            before_commit=kill_during_save)
         if self.rank == 0:
             prune_checkpoints(self.run_dir, self.cfg.trainer.keep_checkpoints, upto=self.iteration)
         dist.barrier()

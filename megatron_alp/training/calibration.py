@@ -215,13 +215,15 @@ def input_divergence(engine: list[dict[str, torch.Tensor]], train: list[dict[str
 def layer_input_divergence(model, rollout, batch: RLBatch) -> list[float]:
     """Per perturbed site, :func:`input_divergence` between the engine's and this model's states of
     :func:`probe_sequences` of ``batch`` (the same on every rank). ``rollout``: the
-    :class:`~megatron_alp.rollout.distributed.DistributedRollout`, whose replica 0 shows its
-    layers on rank 0 (needs the engine awake and Megatron's weights resident: the trainer's
-    ``layer_probe`` phase). Every rank runs the model's forwards and gets rank 0's result."""
+    :class:`~megatron_alp.rollout.distributed.DistributedRollout`, whose first live replica shows its
+    layer inputs on its leader (``rollout.prober``; needs the engine awake and Megatron's weights
+    resident: the trainer's ``layer_probe`` phase). Every rank runs the model's forwards and gets the
+    leader's result."""
     sequences = probe_sequences([row[:n] for row, n in zip(batch.tokens.tolist(), batch.lengths.tolist())])
-    engine = rollout.layer_states(sequences)
+    engine = rollout.layer_states(sequences, kinds=("input",))
     train = megatron_layer_states(model, sequences, kinds=("input",))
-    return rollout.broadcast(input_divergence(engine, train, site_layers(model)) if engine is not None else None)
+    return rollout.broadcast(input_divergence(engine, train, site_layers(model)) if engine is not None else None,
+                             src=rollout.prober)
 
 
 def _next_scale(history: list[tuple[float, float]], target: float) -> float:

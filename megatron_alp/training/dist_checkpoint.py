@@ -13,6 +13,12 @@ the metadata file. Before the rename every file's size and digest go into ``chec
 matches them (:func:`intact_checkpoint`). A save that runs out of disk space removes what it wrote,
 keeps the previous checkpoint and says how much space the checkpoint needs (:class:`DiskFullError`).
 
+The distributed optimizer's state is saved in Megatron's ``fully_reshardable`` form (loads at any
+layout) with ``distrib_optim_fully_reshardable_mem_efficient``: gathered over gloo onto each data-parallel
+group's first rank, in host memory, never on the GPU; :func:`save_transient` counts what that costs, for
+the save and for ``megatron-alp plan``. A load reads on each rank only the state of the parameters
+its optimizer shard holds (:func:`_optimizer_state_io`).
+
 ALP sigmas are saved under one key per global layer (``decoder.layers.{i}.alp_perturbation
 .log_sigma``), not in Megatron's layer-stacked form, because only the selected layers have one: a
 stacked tensor with holes cannot be written, and per-layer keys make sigma i land on layer i
@@ -26,7 +32,9 @@ metadata's ``lora`` (their config, null without adapters) says whether a checkpo
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import errno
 import functools
 import inspect
@@ -44,6 +52,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
+from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.utils import unwrap_model
 
@@ -59,8 +68,51 @@ META_FILE = "megatron_alp.json"
 EXTRA_FILE = "extra.pt"
 HF_SUBDIR = "hf"
 FORMAT = "megatron-alp/dist-checkpoint/1"
-# The distributed optimizer's state in a layout-independent form (reshardable over TP/PP/DP).
-OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+# The distributed optimizer's state in a layout-independent form (reshardable over TP/PP/DP/EP), gathered
+# for the save over gloo onto each data-parallel group's first rank in host memory (see save_transient).
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
+                      "distrib_optim_fully_reshardable_mem_efficient": True}
+ADAM_STATES = ("param", "exp_avg", "exp_avg_sq")  # fp32 main parameter, Adam m and v: what the gather moves
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveTransient:
+    """What a checkpoint save allocates beyond the resident state, on a data-parallel group's first rank."""
+
+    gpu: int  # bytes on the GPU
+    host: int  # bytes of host memory
+    basis: str  # how the GPU bytes were counted
+
+
+def save_transient(buffers: list[tuple[int, int]], staged: int, metadata: Optional[dict] = None) -> SaveTransient:
+    """The save's transient memory under ``metadata`` (default: :data:`OPTIMIZER_METADATA`, read at the
+    call, as :func:`save_checkpoint` reads it). ``buffers``: (parameters, data-parallel size) of each
+    gradient buffer of this rank's distributed optimizer (dense and expert; one bucket each, as
+    ``overlap_grad_reduce`` is off); ``staged``: bytes of GPU tensors this rank writes (its weights, a
+    plain optimizer's state), which the writer copies to host memory all at once.
+
+    Megatron-Core 0.16.1's ``fully_reshardable`` save (``DistributedOptimizer.get_parameter_state_dp_zero``)
+    gathers the three fp32 states of each buffer in turn, state by state, into host tensors of the whole
+    buffer that stay until the save is written (12 B per parameter). While a buffer is gathered, the
+    rank's own shards (12/DP B per parameter) and the received shards, their concatenation and the
+    previous state's (12 B per parameter) are alive too; the writer copies the staged tensors after the
+    gathers. With ``distrib_optim_fully_reshardable_mem_efficient`` the gather runs over gloo into the
+    group's first rank alone (the others hold only their shards); without it NCCL all-gathers onto every
+    rank's GPU as well: the rank's shard and the DP received ones, (1 + 1/DP) x 4 B per parameter of
+    the buffer, one state at a time."""
+    metadata = OPTIMIZER_METADATA if metadata is None else metadata
+    if metadata.get("distrib_optim_sharding_type") != "fully_reshardable":
+        raise ValueError(f"no transient known for the optimizer format {metadata}")
+    if not buffers:
+        return SaveTransient(0, staged, "no distributed optimizer: nothing gathered")
+    state_bytes = 4 * len(ADAM_STATES)
+    world = sum(state_bytes * params for params, _ in buffers)
+    gather = max(state_bytes * params + state_bytes * params // dp for params, dp in buffers)
+    host = world + max(gather, staged)
+    if metadata.get("distrib_optim_fully_reshardable_mem_efficient"):
+        return SaveTransient(0, host, "optimizer state gathered over gloo on the host: none on the GPU")
+    gpu, params, dp = max((4 * params + 4 * params // dp, params, dp) for params, dp in buffers)
+    return SaveTransient(gpu, host, f"NCCL all-gather of one fp32 state: {params / 1e9:.2f}B x 4 B x (1 + 1/DP{dp})")
 
 
 def model_sharded_state_dict(model) -> dict:
@@ -125,27 +177,51 @@ def _prepare_optimizer_for_load(optimizer) -> None:
                 state.setdefault("step", torch.tensor(0.0))
 
 
+def _distributed_subs(optimizer) -> list:
+    return [sub for sub in getattr(optimizer, "chained_optimizers", [optimizer]) if isinstance(sub, DistributedOptimizer)]
+
+
+def _pads_between_buckets() -> bool:
+    """Whether the installed Megatron-Core saves state shifted once a buffer has several buckets
+    (:func:`_optimizer_state_io`)."""
+    return "missing_elems_num" in inspect.getsource(DistributedOptimizer.sharded_param_state_fully_reshardable)
+
+
 @contextlib.contextmanager
-def _reshardable_state_fix(optimizer):
-    """Megatron-Core 0.16's distributed optimizer saves wrong state in the layout-independent
-    format once a gradient buffer has more than one bucket (a long model, or the tied embedding on
-    the last pipeline stage): it packs each bucket's state without the padding between buckets,
-    then slices it with offsets that count that padding, so every parameter after the first bucket
-    is saved shifted, its tail zero-filled ("param range exceeds unpadded buffer", Megatron-LM
-    #5077). While the optimizer builds its state dict, its packed state is put back at the
-    buffer's own offsets. Installed Megatron versions with the fix are left alone."""
-    subs = [sub for sub in getattr(optimizer, "chained_optimizers", [optimizer])
-            if isinstance(sub, DistributedOptimizer)]
-    if not subs or "missing_elems_num" not in inspect.getsource(DistributedOptimizer.sharded_param_state_fully_reshardable):
-        yield
-        return
-    for sub in subs:
-        sub.get_parameter_state_dp_zero = functools.partial(_state_at_buffer_offsets, sub)
+def _optimizer_state_io(optimizer, loading: bool):
+    """Megatron's ``fully_reshardable`` state dict of the distributed optimizer, with two changes.
+
+    Saving: Megatron-Core 0.16 saves wrong state once a gradient buffer has more than one bucket (a
+    long model, or the tied embedding on the last pipeline stage): it packs each bucket's state
+    without the padding between buckets, then slices it with offsets that count that padding, so
+    every parameter after the first bucket is saved shifted, its tail zero-filled ("param range
+    exceeds unpadded buffer", Megatron-LM #5077). The packed state is put back at the buffer's own
+    offsets (installed versions without the bug are left alone).
+
+    The ranks the gather leaves without state (not their group's first) return nothing instead of a
+    None that Megatron would compare with rank 0's common state and warn about.
+
+    Loading: Megatron has every rank allocate zeroed host tensors of its whole model-parallel slice
+    and read every parameter's state into them, then keeps only the range of its own optimizer shard
+    (``load_parameter_state_from_fully_reshardable`` skips the other parameters). Here those tensors
+    are allocated empty (host pages are committed only where the load writes), and the parameters
+    this rank keeps nothing of are left out of the load, so each rank reads about 1/DP of the slice."""
+    patched = []
+    for sub in _distributed_subs(optimizer):
+        patches = {"sharded_param_state_fully_reshardable": _loaded_params_state if loading else _saved_params_state}
+        if loading:
+            patches["get_parameter_state_dp_zero"] = _empty_world_state
+        elif _pads_between_buckets():
+            patches["get_parameter_state_dp_zero"] = _state_at_buffer_offsets
+        for name, fn in patches.items():
+            setattr(sub, name, functools.partial(fn, sub))
+        patched.append((sub, patches))
     try:
         yield
     finally:
-        for sub in subs:
-            del sub.get_parameter_state_dp_zero
+        for sub, patches in patched:
+            for name in patches:
+                delattr(sub, name)
 
 
 def _state_at_buffer_offsets(sub, **kwargs) -> Optional[dict]:
@@ -158,13 +234,51 @@ def _state_at_buffer_offsets(sub, **kwargs) -> Optional[dict]:
             continue
         buffer = sub.buffers[gbuf_idx]
         for world in by_dtype.values():
-            for key in ("param", "exp_avg", "exp_avg_sq") if world else ():
+            for key in ADAM_STATES if world else ():
                 packed, spread, at = world[key], torch.zeros(buffer.numel, dtype=world[key].dtype), 0
                 for bucket in buffer.buckets:
                     spread[bucket.offset:bucket.offset + bucket.numel_unpadded] = packed[at:at + bucket.numel_unpadded]
                     at += bucket.numel_unpadded
                 world[key] = spread
     return state
+
+
+def _empty_world_state(sub, **kwargs) -> dict:
+    """What ``get_parameter_state_dp_zero(empty_data=True)`` returns for a load, at the buffers' own
+    offsets and uninitialised: its values are never read, only overwritten by the load."""
+    assert kwargs.get("empty_data"), kwargs
+    state = {"buckets_coalesced": True}
+    for gbuf_idx, by_dtype in enumerate(sub.gbuf_ranges):
+        buffer = sub.buffers[gbuf_idx]
+        state[gbuf_idx] = {dtype: {**{key: torch.empty(buffer.numel, dtype=torch.float32) for key in ADAM_STATES},
+                                   "numel_unpadded": buffer.numel_unpadded} for dtype in by_dtype}
+    return state
+
+
+def _saved_params_state(sub, *args):
+    """Megatron's ``fully_reshardable`` parameter state for a save, nothing on the ranks without it."""
+    state = type(sub).sharded_param_state_fully_reshardable(sub, *args)
+    return LocalNonpersistentObject(None) if state is None else state
+
+
+def _loaded_params_state(sub, *args):
+    """Megatron's ``fully_reshardable`` parameter state for a load, without the parameters of which
+    this rank's optimizer shard holds nothing. The entries keep Megatron's numbers (every parameter of
+    every buffer, in the buffer's order). Megatron checks that exactly one main replica reads each
+    piece of every tensor; a parameter is a replica of the model's over data parallelism, so the main
+    one becomes the rank whose shard holds the parameter's start."""
+    state = type(sub).sharded_param_state_fully_reshardable(sub, *args)
+    main, index = {}, 0  # entry number -> whether this rank reads it as the main replica
+    for gbuf_idx, by_dtype in enumerate(sub.gbuf_ranges):
+        for by_bucket in by_dtype.values():
+            owned = collections.ChainMap(*(bucket["param_map"] for bucket in by_bucket))
+            for param in sub.buffers[gbuf_idx].param_index_map:
+                if param in owned:
+                    main[index] = owned[param]["param"].start == 0
+                index += 1
+    return {i: {key: dataclasses.replace(tensor, replica_id=(*tensor.replica_id[:-1], 0 if main[i] else 1))
+                for key, tensor in tensors.items()}
+            for i, tensors in state.items() if i in main}
 
 
 def _unshare_optimizer_steps(optimizer) -> None:
@@ -318,7 +432,7 @@ def save_checkpoint(
         state = {"model": model_sharded_state_dict(model)}
         if optimizer is not None:
             check_optimizer_groups(optimizer)
-            with _reshardable_state_fix(optimizer):
+            with _optimizer_state_io(optimizer, loading=False):
                 state["optimizer"] = optimizer.sharded_state_dict(
                     state["model"], is_loading=False, metadata=OPTIMIZER_METADATA)
         if opt_param_scheduler is not None:
@@ -388,6 +502,12 @@ def _disk_full(err: BaseException) -> bool:
             return True
         err = err.__cause__ or err.__context__
     return False
+
+
+def save_progress(ckpt_dir) -> int:
+    """Bytes written so far by a save of ``ckpt_dir`` (into its ``.tmp-`` folders, every rank's files)."""
+    final = Path(ckpt_dir).absolute()
+    return sum(_tree_bytes(tmp) for tmp in final.parent.glob(f"{final.name}.tmp-*"))
 
 
 def _tree_bytes(path: Path) -> int:
@@ -460,7 +580,7 @@ def load_checkpoint(ckpt_dir, model, *, optimizer=None, opt_param_scheduler=None
         _check_optimizer_format(ckpt, meta.get("layout", {}), optimizer)
         check_optimizer_groups(optimizer)
         _prepare_optimizer_for_load(optimizer)
-        with _reshardable_state_fix(optimizer):
+        with _optimizer_state_io(optimizer, loading=True):
             state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=True, metadata=OPTIMIZER_METADATA)
     if opt_param_scheduler is not None:
         if not meta.get("has_scheduler"):

@@ -68,18 +68,20 @@ class Policy:
         return unwrap_model(self.model)
 
 
-def build_policy(args: MegatronModelArgs, cfg: Config, model_dir: str | Path, total_steps: int) -> Policy:
+def build_policy(args: MegatronModelArgs, cfg: Config, model_dir: str | Path, total_steps: int,
+                 resuming: bool = False) -> Policy:
     """The policy with ALP's perturbation sites (and ``lora``'s adapters on a frozen base), initialised
     from ``model.load`` when set, else from ``model_dir``. HF weights are loaded before the optimizer is built (a half-precision model's
     optimizer copies them into its fp32 main parameters); a checkpoint is loaded after, and the
     main parameters are then copied from it again, or the first step would put back the weights
-    the optimizer was built with."""
+    the optimizer was built with. ``resuming``: the caller loads a checkpoint of the run with its
+    optimizer state next, which replaces every weight and main parameter, so no initial weights are read."""
     module = build_gpt_model(args, cfg.model, cfg.parallel, cfg.perturbation, moe=cfg.moe, lora=cfg.lora)
-    if cfg.model.load is None:
+    if cfg.model.load is None and not resuming:
         load_hf_weights(module, model_dir)
     model = wrap_for_training(module, cfg.parallel)
     optimizer, scheduler = build_optimizer(model, cfg.optimizer, cfg.perturbation, cfg.parallel, total_steps)
-    if cfg.model.load is not None:
+    if cfg.model.load is not None and not resuming:
         load_checkpoint(cfg.model.load, unwrap_model(model), strict=True)
         optimizer.reload_model_params()
     return Policy(model, optimizer, scheduler)

@@ -2,7 +2,7 @@
 bit-exact; a distributed checkpoint saved under one layout loads under another, sigmas included.
 
 Usage: torchrun --nproc_per_node 2 check_convert.py WORK_DIR RESULT.json FAMILY...
-(WORK_DIR/<family> holds a tiny HF model made by the test.)
+(WORK_DIR/<family>: the tiny HF model of each family, made here (seed SEEDS[family]) unless there.)
 """
 
 import json
@@ -19,12 +19,20 @@ from megatron_alp.training.dist_checkpoint import load_checkpoint, save_checkpoi
 from megatron_alp.training.builder import build_gpt_model
 from megatron_alp.models.families import hf_to_megatron, load_hf_config
 from megatron_alp.models.hf_weights import iter_hf_weights, load_hf_weights
+from megatron_alp.models.tiny import make_tiny_model
 from megatron_alp.training.perturbation import controller_of
 
 TOL = 1e-4  # fp32 logits vs transformers: different kernels and reduction orders
 
+SEEDS = {"qwen2": 10, "qwen3": 11, "llama": 12, "qwen3_moe": 13}
 work, result_path, families = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
 results = {}
+reinit()
+if rank() == 0:
+    for family in families:
+        if not (work / family).exists():
+            make_tiny_model(family, work / family, seed=SEEDS[family])
+dist.barrier()
 
 
 def hf_logits(hf_dir: Path, batch: torch.Tensor) -> torch.Tensor:

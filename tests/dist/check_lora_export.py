@@ -3,15 +3,18 @@
 
 Usage: python check_lora_export.py WORK (1 rank)  |  torchrun --nproc_per_node 2 check_lora_export.py WORK
 
-WORK holds the tiny HF base models (``WORK/<family>/``). On one rank, for each family: build the
+On one rank, first the tiny HF base models (``WORK/<family>/``, seeds SEEDS), then for each family: build the
 Megatron model with LoRA, load the HF base, draw a nonzero B for every adapter (A is random already),
 save the full adapters and the fp32 log-probabilities of a fixed batch to ``WORK/<family>_ref.pt``,
 and write ``WORK/<family>_1rank/{merged,peft}``; for Qwen3 also save the model as a Megatron
 checkpoint (``WORK/qwen3_ckpt``), and its base model without adapters (``WORK/qwen3_base_ckpt``),
-for the ``convert`` command. On two ranks, at each layout of LAYOUTS: the same
+for the ``convert`` command; last, that command by the CLI's own entry (``WORK/commands.json``: step ->
+rc, out, err): ``mcore-to-peft`` of qwen3_ckpt -> ``WORK/cli_peft``, ``mcore-to-hf`` -> ``WORK/cli_hf``
+and ``verify`` of that against the checkpoint. On two ranks, at each layout of LAYOUTS: the same
 base and adapters (loaded from the 1-rank run) written to ``WORK/<family>_<layout>/{merged,peft}``.
 """
 
+import json
 import os
 import shutil
 import sys
@@ -20,16 +23,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common import build, full_state, load_full_state, reinit, tokens
+from common import build, full_state, load_full_state, reinit, run_command, tokens
 from megatron_alp.config import LoRAConfig
 from megatron_alp.models.hf_weights import iter_hf_weights, load_hf_weights, write_hf_folder
 from megatron_alp.models.lora import lora_state
 from megatron_alp.models.lora_export import export_peft_adapter
+from megatron_alp.models.tiny import make_tiny_model
 from megatron_alp.training.dist_checkpoint import save_checkpoint
 
 LORA = {"qwen3": LoRAConfig(enabled=True, rank=4, alpha=8.0),  # every dense target
         "qwen3_moe": LoRAConfig(enabled=True, rank=4, alpha=8.0,
                                 target_modules=["linear_qkv", "linear_proj", "experts"])}
+SEEDS = {"qwen3": 20, "qwen3_moe": 21}
 LAYOUTS = {"qwen3": {"tp2": dict(tp=2)}, "qwen3_moe": {"tp2": dict(tp=2, sp=True), "ep2": dict(ep=2)}}
 
 
@@ -82,11 +87,27 @@ def parallel(family: str, work: Path) -> None:
         write_exports(model, family, work, work / f"{family}_{layout}")
 
 
+def commands(work: Path) -> None:
+    """``megatron-alp convert`` of the LoRA checkpoint (each command tears the process group down)."""
+    ckpt = str(work / "qwen3_ckpt")
+    out = {"peft": run_command(["convert", "mcore-to-peft", "--mcore", ckpt, "--out", str(work / "cli_peft"),
+                                "--base-model", str(work / "qwen3")], work, "peft"),
+           "hf": run_command(["convert", "mcore-to-hf", "--mcore", ckpt, "--out", str(work / "cli_hf")], work, "hf")}
+    out["verify"] = run_command(["convert", "verify", "--hf", str(work / "cli_hf"), "--mcore", ckpt], work, "verify")
+    (work / "commands.json").write_text(json.dumps(out, indent=1))
+
+
 def main() -> None:
     work = Path(sys.argv[1])
-    run = parallel if int(os.environ.get("WORLD_SIZE", "1")) > 1 else reference
+    two_ranks = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if not two_ranks:
+        for family, seed in SEEDS.items():
+            if not (work / family).exists():
+                make_tiny_model(family, work / family, seed=seed)
     for family in LORA:
-        run(family, work)
+        (parallel if two_ranks else reference)(family, work)
+    if not two_ranks:
+        commands(work)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """A bf16 policy started from a checkpoint (``model.load``) trains from the checkpoint's weights, not
 from the HF weights it was built with: the optimizer's fp32 main parameters follow the load
-(2 gloo ranks, distributed optimizer over DP=2).
+(2 gloo ranks, distributed optimizer over DP=2). A policy built to resume a run reads no HF weights,
+and the run's checkpoint (with its optimizer state) gives it every weight and main parameter.
 
 Usage: torchrun --nproc_per_node 2 check_policy_load.py WORK RESULT.json
 """
@@ -18,7 +19,8 @@ from megatron_alp.models.families import hf_to_megatron, load_hf_config
 from megatron_alp.models.tiny import make_tiny_model
 from megatron_alp.resolve import config_from_dict
 from megatron_alp.runtime.parallel import init_distributed
-from megatron_alp.training.dist_checkpoint import save_checkpoint
+from megatron_alp.training import policy as policy_module
+from megatron_alp.training.dist_checkpoint import load_checkpoint, save_checkpoint
 from megatron_alp.training.perturbation import next_microbatch, perturbed_step
 from megatron_alp.training.policy import build_policy
 
@@ -67,5 +69,27 @@ save_checkpoint(ckpt, first.module, extra={"iteration": 0})
 loaded = build_policy(args, config(load=str(ckpt)), hf_dir, total_steps=4)
 step(loaded)
 moved = [n for n, p in loaded.module.named_parameters() if not torch.equal(p.detach(), saved[n])]
+
+# a run's checkpoint with optimizer state, then a resume with the HF weights unreadable
+run_ckpt = work / "run_ckpt"
+save_checkpoint(run_ckpt, loaded.module, optimizer=loaded.optimizer, opt_param_scheduler=loaded.scheduler,
+                extra={"iteration": 1})
+
+
+def no_hf_read(model, source):
+    raise RuntimeError(f"HF weights read from {source}")
+
+
+policy_module.load_hf_weights = no_hf_read
+try:
+    build_policy(args, cfg, hf_dir, total_steps=4)
+    fresh_reads_hf = False
+except RuntimeError:
+    fresh_reads_hf = True
+resumed = build_policy(args, cfg, hf_dir, total_steps=4, resuming=True)
+load_checkpoint(run_ckpt, resumed.module, optimizer=resumed.optimizer, opt_param_scheduler=resumed.scheduler)
+step(resumed)
+resumed_moved = [n for n, p in resumed.module.named_parameters() if not torch.equal(p.detach(), saved[n])]
 if dist.get_rank() == 0:
-    json.dump({"params": len(saved), "moved": moved}, open(result, "w"))
+    json.dump({"params": len(saved), "moved": moved, "fresh_reads_hf": fresh_reads_hf,
+               "resumed_moved": resumed_moved}, open(result, "w"))

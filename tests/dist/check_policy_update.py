@@ -56,9 +56,11 @@ def fixed_batch() -> RLBatch:
     return RLBatch(tokens, targets, mask, noise, adv, torch.full((ROWS,), length))
 
 
-def seq_logprobs(model, batch: RLBatch) -> list[float] | None:
-    """Per-row sum of response logprobs, all rows of the global batch, on every rank (None off the last stage)."""
-    lp = compute_logprobs(model, batch, batching=Batching(size=2), temperature=1.0, pad_id=0)
+def seq_logprobs(model, batch: RLBatch, lp=False) -> list[float] | None:
+    """Per-row sum of response logprobs (``lp``, or computed now), all rows of the global batch, on
+    every rank (None off the last stage)."""
+    if lp is False:
+        lp = compute_logprobs(model, batch, batching=Batching(size=2), temperature=1.0, pad_id=0)
     local = None if lp is None else (lp * batch.loss_mask).sum(-1).tolist()
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (ps.get_data_parallel_rank(), ps.is_pipeline_last_stage(), local))
@@ -95,8 +97,8 @@ def one_update(layout: str, name: str, init: dict) -> dict:
                                    pert or PerturbationConfig(), par, total_steps=1)
     batch, _ = dp_shard(fixed_batch(), dp_assignment(ROWS, ps.get_data_parallel_world_size()),
                         ps.get_data_parallel_rank())
-    before = seq_logprobs(model, batch)
     lp = compute_logprobs(model, batch, batching=Batching(size=2), temperature=1.0, pad_id=0)
+    before = seq_logprobs(model, batch, lp)  # the old-policy pass is the policy before the update
     if lp is None:  # only the last stage computes logprobs; the earlier stage's values are unused
         lp = torch.zeros(batch.tokens.shape)
     batch.old_logprobs = lp

@@ -6,7 +6,8 @@ Three jobs share WORK_DIR (run in this order by tests/test_dist_checkpoint.py):
 - ``wide`` (2 ranks): each of those loads at DP=2, TP=2, PP=2 (dense) or EP=2 (MoE) and is saved
   again from that layout: ``wide/<layout>_<optimizer>``. The MoE model's optimizer state cannot
   move between EP=1 and EP>1 (Megatron chains a second optimizer for the experts at EP>1): that
-  load must be refused naming the key, and its weights move without optimizer.
+  load must be refused naming the key, and its weights move without optimizer. Also: what a DP=2
+  load of the distributed optimizer asks each rank to read (``kept.json``).
 - ``narrow`` (1 rank): each wide checkpoint loads on one rank and is saved again:
   ``narrow/<layout>_<optimizer>``. Then every wide and narrow checkpoint must hold exactly the
   tensors (weights, sigmas, Adam moments, fp32 main parameters) and the common state (optimizer
@@ -29,8 +30,12 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from megatron_alp.config import InputError, OptimizerConfig, PerturbationConfig
 from megatron_alp.training.dist_checkpoint import (
+    OPTIMIZER_METADATA,
+    _optimizer_state_io,
+    _prepare_optimizer_for_load,
     current_layout,
     load_checkpoint,
+    model_sharded_state_dict,
     read_metadata,
     relayout_line,
     save_checkpoint,
@@ -116,6 +121,29 @@ def family_of(layout: str) -> str:
     return LAYOUTS[layout][0]
 
 
+def kept_on_load() -> dict:
+    """The dense model's distributed optimizer at DP=2: the parameters whose state this rank's load
+    reads, against those whose buffer range meets its shard of a bucket (each bucket split evenly over
+    the DP ranks), and how many of them it reads as the main replica."""
+    model, opt, _ = make("qwen2", "distributed")
+    _prepare_optimizer_for_load(opt)  # as load_checkpoint does
+    with _optimizer_state_io(opt, loading=True):
+        state = opt.sharded_state_dict(model_sharded_state_dict(model), is_loading=True, metadata=OPTIMIZER_METADATA)
+    (sub,) = getattr(opt, "chained_optimizers", [opt])
+    (buffer,) = sub.buffers
+    dp, r = dist.get_world_size(), dist.get_rank()
+    expected = 0
+    for start, end, bucket_id in buffer.param_index_map.values():
+        bucket = buffer.buckets[bucket_id]
+        size = bucket.grad_data.numel() // dp
+        expected += start < bucket.offset + (r + 1) * size and end > bucket.offset + r * size
+    kept = state["param_state"]
+    main = sum(all(i == 0 for i in t["param"].replica_id) for t in kept.values())
+    counts = torch.tensor([main])
+    dist.all_reduce(counts)
+    return {"kept": len(kept), "expected": expected, "total": len(buffer.param_index_map), "main": int(counts[0])}
+
+
 if mode == "seed":
     reinit()
     for family in ("qwen2", "qwen3_moe"):
@@ -132,6 +160,10 @@ elif mode == "wide":
             resave(work / "one" / f"{family}_{optimizer}", work / "wide" / f"{name}_{optimizer}", family, optimizer,
                    tp=tp, pp=pp, ep=ep)
     (work / "refusals.json").write_text(json.dumps(refusals))
+    kept = [None] * dist.get_world_size()
+    dist.all_gather_object(kept, kept_on_load())
+    if rank() == 0:
+        (work / "kept.json").write_text(json.dumps(kept))
 else:
     reinit()
     results = {"lines": {}, "differences": {}}
@@ -149,6 +181,7 @@ else:
     except InputError as err:
         results["refusal"] = str(err)
     results["moe_refusals"] = json.loads((work / "refusals.json").read_text())
+    results["kept"] = json.loads((work / "kept.json").read_text())
     if rank() == 0:
         Path(sys.argv[3]).write_text(json.dumps(results, indent=1))
 dist.barrier()

@@ -5,12 +5,13 @@ broadcast (as ``DistributedRollout`` does). The executed code prints a random nu
 ``broadcast`` hook only rank 0 executes and both ranks' trajectories are equal; without it each
 rank executes on its own and they differ (the hazard the hook exists for).
 
-Usage: torchrun --nproc_per_node=2 check_tir_ranks.py MODEL_DIR
+Usage: torchrun --nproc_per_node=2 check_tir_ranks.py DIR   (the tiny tokenizer is written to DIR/tokenizer)
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch.distributed as dist
 from transformers import AutoTokenizer
@@ -54,10 +55,17 @@ class Rank0Engine(RolloutEngine):
         pass
 
 
-def main(model_dir: str) -> None:
-    dist.init_process_group("gloo")
+def main(folder: str) -> None:
+    from megatron_alp.models.tiny import save_tokenizer
+
+    owns_group = not dist.is_initialized()  # in a batched launch (tests/dist/run_jobs.py) a job before made it
+    if owns_group:
+        dist.init_process_group("gloo")
     rank = dist.get_rank()
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    if rank == 0:
+        save_tokenizer(f"{folder}/tokenizer")
+    dist.barrier()
+    tok = AutoTokenizer.from_pretrained(f"{folder}/tokenizer")
     text = tok.apply_chat_template([{"role": "user", "content": "Pick a number"}], tokenize=False,
                                    add_generation_prompt=True)
     prompts = [tok.encode(text, add_special_tokens=False)] * 2
@@ -80,7 +88,9 @@ def main(model_dir: str) -> None:
         assert gathered["broadcast"][0] == gathered["broadcast"][1], "ranks diverged despite the broadcast hook"
         assert gathered["per_rank"][0] != gathered["per_rank"][1], "control: per-rank execution should differ"
         print("TIR ranks OK")
-    dist.destroy_process_group()
+        Path(folder, "result.txt").write_text("TIR ranks OK")
+    if owns_group:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
@@ -16,15 +18,52 @@ from megatron_alp.runtime.parallel import init_distributed
 
 
 def reinit(tp: int = 1, pp: int = 1, sp: bool = False, seed: int = 1, ep: int = 1) -> ParallelConfig:
-    """Switch Megatron's model-parallel layout inside a running torchrun job."""
-    if ps.model_parallel_is_initialized():
+    """Switch Megatron's model-parallel layout inside a running torchrun job, and reseed its RNG
+    tracker (the same layout keeps its groups: making them costs about 0.6 s on 2 cores)."""
+    if ps.model_parallel_is_initialized() and _current_layout() != (tp, pp, ep):
+        old = _megatron_groups()
         ps.destroy_model_parallel()
+        # Megatron forgets its groups without destroying them: on the CPU every one is a gloo group
+        # with threads of its own (about 50 per layout), which a job switching layouts dozens of times
+        # would pile up by the thousand
+        while old:
+            group = old.pop()
+            if group in dist.distributed_c10d._world.pg_map:
+                dist.destroy_process_group(group)
+            del group
+        gc.collect()  # the groups' threads end with the last reference, some of them in cycles
     par = ParallelConfig(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sp,
         expert_model_parallel_size=ep,
     )
     init_distributed(par, seed=seed)
     return par
+
+
+def _current_layout() -> tuple[int, int, int]:
+    return (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+            ps.get_expert_model_parallel_world_size())
+
+
+def _megatron_groups() -> list:
+    """Every process group Megatron's parallel state holds (not the default group)."""
+    default = dist.distributed_c10d._get_default_group()
+    found: dict[int, dist.ProcessGroup] = {}
+
+    def visit(value) -> None:
+        if isinstance(value, dist.ProcessGroup):
+            if value is not default:
+                found[id(value)] = value
+        elif isinstance(value, (list, tuple, set)):
+            for v in value:
+                visit(v)
+        elif isinstance(value, dict):
+            for v in value.values():
+                visit(v)
+
+    for value in list(vars(ps).values()):
+        visit(value)
+    return list(found.values())
 
 
 def build(family: str, par: ParallelConfig, pert: PerturbationConfig | None = None, lora: LoRAConfig | None = None,
@@ -101,3 +140,36 @@ def tokens(b: int = 2, s: int = 12, vocab: int = 512, seed: int = 0) -> torch.Te
 
 def rank() -> int:
     return dist.get_rank()
+
+
+def run_command(argv: list[str], out_dir, name: str) -> dict:
+    """``megatron-alp *argv`` in this one-rank process, as its own process would run it (a command that
+    needs more ranks launches them itself); what reached descriptors 1 and 2 (the launched ranks'
+    included) is kept in ``out_dir/name.out`` / ``.err``. Returns ``{"rc", "out", "err"}``."""
+    import os
+    import sys
+    from pathlib import Path
+
+    from megatron_alp.cli import main
+
+    out_dir = Path(out_dir)
+    paths = out_dir / f"{name}.out", out_dir / f"{name}.err"
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):  # a command makes its own group
+        if not dist.is_initialized():
+            os.environ.pop(key, None)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    files = [os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) for p in paths]
+    os.dup2(files[0], 1)
+    os.dup2(files[1], 2)
+    try:
+        rc = main(list(argv))
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, *files):
+            os.close(fd)
+    return {"rc": rc, "out": paths[0].read_text(), "err": paths[1].read_text()}

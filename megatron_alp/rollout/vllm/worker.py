@@ -72,16 +72,20 @@ class WorkerExtension:
             raise RuntimeError("receive_weight_bucket before join_weight_broadcast")
         return receiver.receive(header, lambda weights: self.reload_weights(weights_iterator=weights))
 
-    def capture_layers(self) -> int:
-        """Record what every decoder layer of this worker's model computes in the forward passes
-        until :meth:`captured_layers`: the residual stream entering it (``input``, what ALP perturbs) and
-        after it, and, where the layer has them (``self_attn``, ``mlp``), its attention and MLP outputs. Forward hooks fire only in eager
-        mode (on GPUs ``rollout.enforce_eager``; the CPU engine is always eager). Returns the number
-        of layers hooked."""
+    def capture_layers(self, kinds: list[str]) -> int:
+        """Record ``kinds`` of what every decoder layer of this worker's model computes in the forward
+        passes until :meth:`captured_layers`: the residual stream entering it (``input``, what ALP
+        perturbs) and after it (``residual``), and, where the layer has them (``self_attn``, ``mlp``),
+        its attention and MLP outputs (``attention``, ``mlp``). Only the first worker records:
+        tensor-parallel workers hold the same full states after each layer's all-reduce. Forward hooks
+        fire only in eager mode (on GPUs ``rollout.enforce_eager``; the CPU engine is always eager).
+        Returns the number of layers hooked (0 on the other workers)."""
+        self._layer_hooks, self._layer_records = [], {}
+        if self.rank != 0:
+            return 0
         model = self.model_runner.get_model()
         layers = [m for m in model.model.layers if hasattr(m, "self_attn") or hasattr(m, "mlp")]
-        self._layer_records = records = {"residual": [[] for _ in layers], "input": [[] for _ in layers]}
-        hooks = []
+        records = self._layer_records = {kind: [[] for _ in layers] for kind in ("input", "residual") if kind in kinds}
 
         def input_recorder(i):
             def hook(module, args, kwargs):
@@ -94,31 +98,36 @@ class WorkerExtension:
                 records[kind][i].append(take(output).detach().to("cpu", torch.float32, copy=True))
             return hook
 
+        hooks = self._layer_hooks
         for i, layer in enumerate(layers):
-            hooks.append(layer.register_forward_pre_hook(input_recorder(i), with_kwargs=True))
-            hooks.append(layer.register_forward_hook(recorder("residual", i, _residual_stream)))
+            if "input" in kinds:
+                hooks.append(layer.register_forward_pre_hook(input_recorder(i), with_kwargs=True))
+            if "residual" in kinds:
+                hooks.append(layer.register_forward_hook(recorder("residual", i, _residual_stream)))
             for kind, name in (("attention", "self_attn"), ("mlp", "mlp")):
-                if hasattr(layer, name):
+                if kind in kinds and hasattr(layer, name):
                     records.setdefault(kind, [[] for _ in layers])
                     hooks.append(getattr(layer, name).register_forward_hook(recorder(kind, i, _branch)))
-        self._layer_hooks = hooks
         return len(layers)
 
-    def captured_layers(self) -> dict[str, tuple[list[int], bytes]]:
+    def captured_layers(self) -> dict[str, tuple[list[int], bytes]] | None:
         """End :meth:`capture_layers`: per kind, ``[layers, tokens, hidden]`` float32, the tokens of
         every recorded forward pass in order (vLLM flattens a step's tokens, request after request),
         as (shape, raw bytes) (:func:`layer_tensor`): vLLM returns a worker's tensors from its
-        engine-core process only as plain lists, unless its insecure pickle serialization is on."""
+        engine-core process only as plain lists, unless its insecure pickle serialization is on.
+        None on the workers that record nothing."""
         for hook in getattr(self, "_layer_hooks", []):
             hook.remove()
         self._layer_hooks = []
         records = getattr(self, "_layer_records", {})
         self._layer_records = {}
-        if not records or not all(records["residual"]):
+        if self.rank != 0:
+            return None
+        ran = next(iter(records.values()), [])
+        if not ran or not all(ran):
             raise RuntimeError("no decoder layer ran while capturing: a compiled or CUDA-graph engine skips "
                                "forward hooks (set rollout.enforce_eager: true)")
         captured = {kind: torch.stack([torch.cat(calls) for calls in layers]) for kind, layers in records.items()}
         return {kind: (list(t.shape), t.numpy().tobytes()) for kind, t in captured.items()}
-
 
 enable_cpu_amx()
