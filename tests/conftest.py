@@ -98,10 +98,12 @@ def dp2_run(sync_run, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def dist_jobs(request, tmp_path_factory):
     """The check scripts test files register (helpers.dist_job), run together in as few launches as
-    they allow the first time a test needs one: ``dist_jobs.run(name)`` is that job's folder."""
+    they allow the first time a test of a file needs one, once per test run whichever xdist worker
+    asks: ``dist_jobs.run(name)`` is that job's folder."""
     from helpers import DistJobs
 
-    return DistJobs(request.session, tmp_path_factory.mktemp("dist_jobs"))
+    return DistJobs(request.session, shared_dir(tmp_path_factory, "dist_jobs"),
+                    worker=os.environ.get("PYTEST_XDIST_WORKER", "main"))
 
 
 def pytest_configure(config):

@@ -78,13 +78,18 @@ def running(pid: int) -> bool:
 # ------------------------------------------------------------------ check scripts, batched per launch
 # A torchrun launch costs about 10 s of imports and process-group setup on 2 cores before a check
 # script does anything. Test files register their scripts here (dist_job) and read each one's
-# folder through the session's DistJobs (tests/conftest.py: dist_jobs): the first test that needs a
-# job runs every registered job that a selected test needs, as few launches as their rank counts,
-# environments and order allow (tests/dist/run_jobs.py runs several scripts in one launch).
+# folder through the session's DistJobs (tests/conftest.py: dist_jobs): the first test of a file
+# that needs a job runs every registered job that file's selected tests need, in as few launches as
+# their rank counts, environments and order allow (tests/dist/run_jobs.py runs several scripts in
+# one launch). Under pytest-xdist the jobs' folders and outcomes are on disk, shared by the workers:
+# a job runs once per test run, in the worker that claimed it first.
 
 import re as _re  # noqa: E402
 import signal as _signal  # noqa: E402
+import time as _time  # noqa: E402
 from dataclasses import dataclass as _dataclass  # noqa: E402
+
+from filelock import FileLock as _FileLock  # noqa: E402
 
 
 @_dataclass(frozen=True)
@@ -113,51 +118,93 @@ def dist_job(name: str, script: str, *args: str, nproc: int = 2, env: dict | Non
 
 
 class DistJobs:
-    """The session's registered check scripts: ``run(name)`` is the job's folder once it passed
-    (every job the selected tests need runs on the first call), or fails the test with its error."""
+    """The test run's registered check scripts: ``run(name)`` is the job's folder once it passed, or
+    fails the test with its error. ``root`` is shared by every worker of the run: a job's outcome is
+    ``_outcomes/<name>.json`` there, and ``_claims/<name>`` names the worker running it."""
 
-    def __init__(self, session, root: Path):
-        self.session, self.root = session, Path(root)
-        self.outcome: dict[str, str | None] = {}  # None: passed, else why not
-        self.launches = 0
+    POLL_S = 2.0
+
+    def __init__(self, session, root: Path, worker: str = "main"):
+        self.session, self.root, self.worker = session, Path(root), worker
+        for sub in ("_outcomes", "_claims", "_launches"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        self.lock = _FileLock(str(self.root / "_claims.lock"))
+        self.outcome: dict[str, str | None] = {}  # None: passed, else why not (as read from disk)
 
     def dir(self, name: str) -> Path:
         return self.root / name
 
     def run(self, name: str) -> Path:
-        if name not in self.outcome:
-            self._run_needed(name)
+        while name not in self._read_outcomes():
+            mine = self._claim(name)
+            if mine:
+                self._run_needed(mine)
+            elif name not in self._read_outcomes():
+                _time.sleep(self.POLL_S)  # another worker runs it
         if self.outcome[name] is not None:
             raise AssertionError(f"check job {name} failed:\n{self.outcome[name]}")
         return self.dir(name)
 
-    def _needed(self, name: str) -> list[str]:
-        wanted = {name} | {m.args[0] for item in self.session.items for m in item.iter_markers("dist_job")}
+    def _read_outcomes(self) -> dict[str, str | None]:
+        for f in (self.root / "_outcomes").glob("*.json"):
+            if f.stem not in self.outcome:
+                self.outcome[f.stem] = json.loads(f.read_text())["error"]
+        return self.outcome
+
+    def _record(self, name: str, error: str | None) -> None:
+        self.outcome[name] = error
+        tmp = self.root / "_outcomes" / f".{name}.tmp"
+        tmp.write_text(json.dumps({"error": error, "worker": self.worker}))
+        os.replace(tmp, self.root / "_outcomes" / f"{name}.json")
+
+    def _needed(self, name: str) -> set[str]:
+        """``name`` and every job the selected tests of the files that use it need, with the jobs
+        those read (a file runs on one worker under --dist loadfile: its jobs launch together)."""
+        files = {item.path for item in self.session.items
+                 if any(m.args[0] == name for m in item.iter_markers("dist_job"))}
+        wanted = {name} | {m.args[0] for item in self.session.items if item.path in files
+                           for m in item.iter_markers("dist_job")}
         todo = list(wanted)
         while todo:
             for dep in DIST_JOBS[todo.pop()].after:
                 if dep not in wanted:
                     wanted.add(dep)
                     todo.append(dep)
-        return [n for n in DIST_JOBS if n in wanted and n not in self.outcome]
+        return wanted
 
-    def _run_needed(self, name: str) -> None:
-        pending = self._needed(name)
+    def _claim(self, name: str) -> list[str]:
+        """The needed jobs no worker has claimed yet, now claimed by this one (in registration order)."""
+        wanted = self._needed(name)
+        with self.lock:
+            mine = [n for n in DIST_JOBS if n in wanted and not (self.root / "_claims" / n).exists()]
+            for n in mine:
+                (self.root / "_claims" / n).write_text(self.worker)
+        return mine
+
+    def _run_needed(self, mine: list[str]) -> None:
+        pending = list(mine)
         while pending:
+            done = self._read_outcomes()
             for n in pending:
-                failed = [d for d in DIST_JOBS[n].after if d in self.outcome and self.outcome[d] is not None]
+                failed = [d for d in DIST_JOBS[n].after if d in done and done[d] is not None]
                 if failed:
-                    self.outcome[n] = f"needs job {failed[0]}, which failed"
+                    self._record(n, f"needs job {failed[0]}, which failed")
             pending = [n for n in pending if n not in self.outcome]
             ready = [n for n in pending if all(d in self.outcome for d in DIST_JOBS[n].after)]
             if not ready:
+                if not pending:
+                    break
+                claimed = {n for n in pending for d in DIST_JOBS[n].after
+                           if d not in pending and (self.root / "_claims" / d).exists()}
+                if claimed:  # a job they read runs in another worker
+                    _time.sleep(self.POLL_S)
+                    continue
                 for n in pending:
-                    self.outcome[n] = "its jobs after= never became ready"
+                    self._record(n, "its jobs after= never became ready")
                 break
             # first the kind of the ready job with the longest chain of jobs waiting on it
             first = max(ready, key=lambda n: (self._depth(n, pending), -pending.index(n)))
-            group = self._group(first, pending)
-            self._launch(group)
+            self._launch(self._group(first, pending))
             pending = [n for n in pending if n not in self.outcome]
 
     @staticmethod
@@ -181,8 +228,7 @@ class DistJobs:
         return [_re.sub(r"\{dir(?::(\w+))?\}", sub, a) for a in job.args]
 
     def _launch(self, group: list[str]) -> None:
-        self.launches += 1
-        status = self.root / "_launches" / str(self.launches)
+        status = self.root / "_launches" / f"{self.worker}-{group[0]}"
         status.mkdir(parents=True)
         plan = []
         for n in group:
@@ -215,7 +261,8 @@ class DistJobs:
         except BaseException:  # interrupted: no launch outlives the test that started it
             _kill_group(proc)
             for n in group:
-                self.outcome.setdefault(n, "its launch was interrupted")
+                if n not in self.outcome:
+                    self._record(n, "its launch was interrupted")
             raise
         finally:
             if paused[0] > 0:
@@ -225,16 +272,16 @@ class DistJobs:
             oks = list(status.glob(f"{n}.rank*.ok"))
             errors = sorted(status.glob(f"{n}.rank*.error"))
             if len(oks) == DIST_JOBS[n].nproc:
-                self.outcome[n] = None
+                self._record(n, None)
             elif errors or (status / f"{n}.started").exists():
                 start = out.find(f"===== job {n}:")
                 tail = out[start:] if start >= 0 else out
-                self.outcome[n] = "\n".join([e.read_text() for e in errors] + [
+                self._record(n, "\n".join([e.read_text() for e in errors] + [
                     f"launch rc={proc.returncode}; its output ({log}) from this job on:",
-                    tail[-8000:]])
+                    tail[-8000:]]))
         if not any(n in self.outcome for n in group):  # the launch ran nothing: no point in another
             for n in group:
-                self.outcome[n] = f"the launch ran no job (rc={proc.returncode}):\n{out[-8000:]}"
+                self._record(n, f"the launch ran no job (rc={proc.returncode}):\n{out[-8000:]}")
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

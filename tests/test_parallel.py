@@ -31,3 +31,25 @@ def test_a_process_exits_cleanly_with_an_in_process_engine_still_alive(tmp_path)
                                                        "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
     assert proc.returncode == 0 and "generated" in proc.stdout, proc.stderr[-4000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+
+
+AFTER_TEARDOWN = """
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron_alp.config import ParallelConfig
+from megatron_alp.runtime.parallel import init_distributed
+init_distributed(ParallelConfig())
+dist.destroy_process_group()  # what a finished in-process engine or command may leave behind
+init_distributed(ParallelConfig())
+assert ps.get_pipeline_model_parallel_rank() == 0 and ps.get_tensor_model_parallel_world_size() == 1
+print("re-initialised")
+"""
+
+
+def test_groups_are_made_anew_after_the_world_was_destroyed():
+    """Megatron's module globals outlive a destroyed torch.distributed world: the next
+    init_distributed in the same process (intervene after a finished run) makes them anew instead of
+    reusing groups no longer registered (ValueError on the first rank query)."""
+    proc = subprocess.run([sys.executable, "-c", AFTER_TEARDOWN], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0 and "re-initialised" in proc.stdout, proc.stderr[-4000:]

@@ -42,6 +42,10 @@ def init_distributed(parallel, seed: int = 1, timeout_min: int = 30) -> None:
             f"parallel: world size {world} is not divisible by tensor_model_parallel_size * "
             f"pipeline_model_parallel_size = {tp * pp}"
         )
+    if ps.model_parallel_is_initialized() and not _groups_alive(ps):
+        # Megatron's groups of a world destroyed since (a finished run or command in this process):
+        # its module globals still hold them, so make them anew in this world.
+        ps.destroy_model_parallel()
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
             tensor_model_parallel_size=tp,
@@ -51,6 +55,12 @@ def init_distributed(parallel, seed: int = 1, timeout_min: int = 30) -> None:
             create_gloo_process_groups=True,
         )
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+
+def _groups_alive(ps) -> bool:
+    """Whether Megatron's model-parallel groups belong to torch.distributed's current world."""
+    group = ps.get_tensor_model_parallel_group(check_initialized=False)
+    return group is not None and group in dist.distributed_c10d._world.pg_map
 
 
 def destroy_distributed() -> None:
