@@ -231,7 +231,8 @@ def config_from_dict(data: dict, source: str = "<dict>", overridden: frozenset[s
     return resolve(validate_schema(data, source, overridden), source, gpu)
 
 
-def load_config(path: str | Path, overrides: Optional[list[str]] = None) -> Config:
-    """A YAML config file with ``KEY=VALUE`` overrides, schema-validated and resolved."""
+def load_config(path: str | Path, overrides: Optional[list[str]] = None, gpu: Optional[bool] = None) -> Config:
+    """A YAML config file with ``KEY=VALUE`` overrides, schema-validated and resolved (``gpu``: as in
+    :func:`resolve`)."""
     overrides = overrides or []
-    return config_from_dict(apply_overrides(read_yaml(path), overrides), str(path), override_keys(overrides))
+    return config_from_dict(apply_overrides(read_yaml(path), overrides), str(path), override_keys(overrides), gpu)

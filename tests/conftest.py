@@ -128,21 +128,45 @@ def tiny_model(tmp_path_factory):
     return get
 
 
-# The suite's own budget report (tests/README.md): the wall time of the run and every test over
-# SLOW_TEST_S (setup, which builds shared fixtures, included), so the change that adds minutes is
-# seen in the run that adds them. A report, not a failing timed test.
+# The suite's own budget report (tests/README.md): the wall time of the run, each xdist worker's busy
+# time (their difference is the tail one worker spent alone), the longest files and every test over
+# SLOW_TEST_S (setup, which builds shared fixtures, included), so the change that adds minutes is seen
+# in the run that adds them. A report, not a failing timed test.
 SLOW_TEST_S = 60.0
 _started = time.monotonic()
 _test_seconds: dict[str, float] = {}
+_worker_seconds: dict[str, float] = {}
+
+# The files that take longest, started first: pytest-xdist (--dist loadfile --no-loadscope-reorder)
+# hands files to the two workers in collection order, so the run ends on short files and neither
+# worker waits long for the other. test_trainer.py first: it makes the shared quickstart run that
+# test_trainer_lora.py and test_phases.py copy, before they start.
+LONGEST_FIRST = ("test_trainer.py", "test_convert.py", "test_vllm_engine.py", "test_comm.py", "test_trainer_lora.py",
+                 "test_weight_sync.py", "test_vllm_lora.py", "test_intervene.py", "test_routing_replay.py",
+                 "test_lora.py", "test_mismatch.py", "test_evaluate.py", "test_calibration.py", "test_micro_batch.py",
+                 "test_policy_update.py", "test_layer_divergence.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    order = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: the others keep their order
 
 
 def pytest_runtest_logreport(report):
     _test_seconds[report.nodeid] = _test_seconds.get(report.nodeid, 0.0) + report.duration
+    worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", "main")
+    _worker_seconds[worker] = _worker_seconds.get(worker, 0.0) + report.duration
 
 
 def pytest_terminal_summary(terminalreporter, config):
     markers = config.getoption("markexpr") or "all"
+    files: dict[str, float] = {}
+    for nodeid, seconds in _test_seconds.items():
+        files[nodeid.split("::")[0]] = files.get(nodeid.split("::")[0], 0.0) + seconds
+    longest = ", ".join(f"{f} {s:.0f} s" for f, s in sorted(files.items(), key=lambda kv: -kv[1])[:8])
+    busy = ", ".join(f"{w} {s:.0f} s" for w, s in sorted(_worker_seconds.items()))
     over = sorted(((s, n) for n, s in _test_seconds.items() if s > SLOW_TEST_S), reverse=True)
     listed = "; ".join(f"{n} {s:.0f} s" for s, n in over) or "none"
     terminalreporter.write_line(f"suite budget: {len(_test_seconds)} tests ({markers}) in "
-                                f"{time.monotonic() - _started:.0f} s wall; over {SLOW_TEST_S:.0f} s: {listed}")
+                                f"{time.monotonic() - _started:.0f} s wall (busy: {busy}); longest files: "
+                                f"{longest}; over {SLOW_TEST_S:.0f} s: {listed}")

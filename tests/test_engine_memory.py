@@ -20,7 +20,7 @@ from megatron_alp.rollout.distributed import DistributedRollout, probe_leader
 from megatron_alp.rollout.engine_memory import SGLangMemory, VLLMMemory
 from megatron_alp.rollout.placement import ReplicaLayout
 from megatron_alp.rollout.sglang_engine import server_command
-from megatron_alp.rollout.vllm.worker import WorkerExtension, layer_tensor
+from megatron_alp.rollout.vllm.worker import WorkerExtension, read_captured
 from megatron_alp.trainer.phases import PHASES, STRICT_ENV, PhaseRunner
 
 # The trainer's phases in its own order (trainer.py): an iteration with a layer probe, a verified sync,
@@ -341,12 +341,43 @@ def test_the_capture_ships_only_the_kinds_asked_from_the_first_worker_only():
     first.forward(3)
     first.forward(2)
     other.forward(3)
-    packed = first.captured_layers()
-    assert other.captured_layers() is None
-    assert list(packed) == ["input"] and layer_tensor(packed["input"]).shape == (2, 5, 4)
+    shapes = first.captured_layers()
+    assert other.captured_layers() is None and other.captured_chunk("input", 0, 2) is None
+    assert shapes == {"input": [2, 5, 4]}
+    assert read_captured(first.captured_chunk, shapes)["input"].shape == (2, 5, 4)
     first.capture_layers(["residual", "attention", "mlp"])
     first.forward(3)
     assert sorted(first.captured_layers()) == ["attention", "mlp", "residual"]
     first.capture_layers(["input"])
     with pytest.raises(RuntimeError, match="no decoder layer ran while capturing"):
         first.captured_layers()
+
+
+def test_the_capture_comes_back_in_chunks_of_whole_layers_under_the_limit():
+    """Issue 37 N6: one long sequence on a large model is more than msgpack's 4 GiB a value, so the
+    states come back a few layers per reply; the chunks put together are what was recorded, and the
+    last chunk of a kind frees it on the worker."""
+    worker = _Worker(rank=0)
+    recorded = []
+    worker.capture_layers(["input"])
+    worker.forward(3)
+    shapes = worker.captured_layers()
+    whole = worker._layer_result["input"].clone()
+    layer_bytes = 4 * 3 * 4  # [tokens=3, hidden=4] float32
+
+    def call(kind, start, stop):
+        recorded.append((start, stop))
+        packed = worker.captured_chunk(kind, start, stop)
+        assert len(packed[1]) <= layer_bytes * (stop - start)
+        return packed
+
+    got = read_captured(call, shapes, limit=layer_bytes + 1)
+    assert recorded == [(0, 1), (1, 2)] and torch.equal(got["input"], whole)
+    assert "input" not in worker._layer_result  # released with its last chunk
+    with pytest.raises(RuntimeError, match="no captured input states"):
+        worker.captured_chunk("input", 0, 1)
+    recorded.clear()
+    worker.capture_layers(["input"])
+    worker.forward(3)
+    assert read_captured(call, worker.captured_layers(), limit=10**9)["input"].shape == (2, 3, 4)
+    assert recorded == [(0, 2)]  # under the limit: every layer in one reply

@@ -1,9 +1,11 @@
-"""`megatron-alp mismatch --layers`: the divergence math against numpy on synthetic hidden states.
-Real engines (tiny model; vLLM in float32, bfloat16 and FP8 weights against a float32 Megatron
-model) are tests/test_mismatch.py's test_engine_precision_shows_layer_by_layer, on the probes that
-file makes once."""
+"""`megatron-alp mismatch --layers`: the divergence math against numpy on synthetic hidden states,
+and real engines (tiny model; vLLM in float32, bfloat16 and FP8 weights against a float32
+Megatron model, one engine start each)."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +13,9 @@ import torch
 
 from megatron_alp.cli import main as cli_main
 from megatron_alp.diagnostics.layer_divergence import format_layers, layer_divergence, relative_divergence
+
+ROOT = Path(__file__).resolve().parents[1]
+FLOOR = 1e-5  # float32 on both sides: kernels and reduction orders differ, nothing else
 
 
 def test_divergence_math_matches_numpy():
@@ -57,3 +62,64 @@ def test_help_documents_the_option(capsys):
         cli_main(["mismatch", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--layers N" in text and "layers.png" in text and "enforce_eager" in text
+
+
+def test_engine_precision_shows_layer_by_layer(tmp_path, capfd):
+    """The same 4 sampled sequences through each engine and Megatron (float32): a float32 engine
+    stays at the rounding floor at every layer, bfloat16 is far above it, FP8 weights further.
+    The float32 engine runs in vLLM's engine-core process, so the capture's RPC crosses processes."""
+    from megatron_alp.models.tiny import make_tiny_model
+
+    model = make_tiny_model("qwen2", tmp_path / "model", seed=0)
+    cfg = tmp_path / "mismatch.yaml"
+    cfg.write_text(
+        f"model: {{hf_path: {model}, dtype: float32, layer_spec: local}}\n"
+        "rollout: {sampling: {n: 2, temperature: 1.0, max_prompt_length: 96, max_response_length: 8}}\n"
+        f"data: {{val_files: [{ROOT / 'data/largest/val.jsonl'}]}}\n"
+        f"trainer: {{output_dir: {tmp_path / 'run'}}}\n"
+    )
+    settings = {
+        # through vLLM's engine-core process, as its GPU workers are reached; the others in process
+        "float32": ["rollout.dtype=float32", "rollout.engine_process=subprocess"],
+        "bfloat16": ["rollout.dtype=bfloat16"],
+        # and sigma calibrated per layer from the same engine's layer inputs
+        "fp8": ["rollout.dtype=bfloat16", "rollout.quantization=fp8_per_channel", "perturbation.init_std=auto",
+                "perturbation.calibration_mode=per_layer"],
+    }
+    sections = {}
+    for name, overrides in settings.items():
+        out = tmp_path / name
+        assert cli_main(["mismatch", str(cfg), *overrides, "--prompts", "2", "--n", "2", "--max-tokens", "8",
+                         "--layers", "4", "--out", str(out)]) == 0
+        assert (out / "layers.png").stat().st_size > 10_000
+        report = json.loads((out / "mismatch.json").read_text())
+        section = sections[name] = report["layers"]
+        printed = capfd.readouterr().out
+        assert "hidden-state divergence" in printed and str(out / "layers.png") in printed
+        assert section["sequences"] == 4 and section["kinds"] == ["residual", "attention", "mlp"]
+        assert len(section["per_layer"]) == 4  # the tiny model's layers
+        with capfd.disabled():  # the measured numbers, for docs/mismatch.md (pytest -s)
+            print(f"\n{name}:\n{format_layers(section)}")
+
+    for row in sections["float32"]["per_layer"]:
+        for kind in ("residual", "attention", "mlp"):
+            assert row[kind]["global"] < FLOOR and row[kind]["mean"] < FLOOR, (kind, row)
+    for name in ("bfloat16", "fp8"):
+        rows = sections[name]["per_layer"]
+        for row in rows:
+            assert row["residual"]["global"] > 1e-4 and row["residual"]["mean"] > 1e-4, (name, row)
+        # the rounding compounds: deeper layers diverge more than the first
+        assert rows[-1]["residual"]["global"] > 1.2 * rows[0]["residual"]["global"], (name, rows)
+        assert sections[name]["jump"]["growth"] > 1.0
+    for layer in range(4):
+        order = [sections[n]["per_layer"][layer]["residual"]["global"] for n in ("fp8", "bfloat16", "float32")]
+        assert order[0] > order[1] > 10 * order[2], (layer, order)
+    # per_layer: sigma_h = scale x the engine's drift at layer h's input; FP8 leaves the embedding
+    # (layer 0's input) in bf16, so the noise there is far below the deeper layers'
+    cal = report["calibration"]
+    assert cal["calibration/per_layer"] == 1.0 and len(cal["input_divergence"]) == 4
+    for layer, d in cal["input_divergence"].items():
+        assert cal["sigma"][layer] == pytest.approx(cal["calibration/scale"] * d, rel=1e-5), layer
+    assert cal["input_divergence"]["layer_03"] > 10 * cal["input_divergence"]["layer_00"] > 0, cal
+    assert cal["calibration/perturbed_kl"] == pytest.approx(cal["calibration/target_kl"], rel=0.021)
+    assert "x layer-input divergence engine-train" in printed

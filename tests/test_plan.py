@@ -330,6 +330,15 @@ def test_refusal_names_the_keys_and_exits_2(capsys):
         check_fits(config("qwen2.5-32b_seq_alp.yaml", *oversized), 1, H100)
 
 
+def test_the_plan_judges_a_config_for_gpus_even_on_a_cpu_machine(capsys):
+    """Issue 37 N2: per_layer calibration without an eager engine cannot run on GPUs; the plan, made
+    on a laptop for a cluster, refuses it as the GPU job would, naming the key."""
+    per_layer = ["perturbation.init_std=auto", "perturbation.calibration_mode=per_layer"]
+    code = main(["plan", "configs/qwen2.5-math-1.5b_token_alp.yaml", *per_layer])
+    assert code == 2 and "rollout.enforce_eager: true" in capsys.readouterr().err
+    assert main(["plan", "configs/qwen2.5-math-1.5b_token_alp.yaml", *per_layer, "rollout.enforce_eager=true"]) == 0
+
+
 def test_offload_keys_decide_what_stays_resident_during_rollout():
     """Without offloading, Qwen2.5-32B's state stays beside the engine and vLLM cannot wake."""
     keep = ["rollout.offload_weights=false", "rollout.offload_grads=false", "rollout.offload_optimizer=false"]
@@ -507,6 +516,20 @@ def test_every_phase_of_the_table_is_planned_and_the_worst_one_is_named():
 def test_the_plan_refuses_a_sync_method_the_placement_cannot_use():
     with pytest.raises(ConfigError, match="rollout.sync_method: broadcast with rollout.placement: colocated"):
         memory_plan(config("qwen2.5-math-1.5b_grpo.yaml", "rollout.sync_method=broadcast"), 8, H100)
+
+
+def test_the_host_copy_of_a_sleeping_engines_weights_is_counted():
+    """Issue 37: vLLM sleeps at level 2 where every sync re-sends the weights (no host copy), at level
+    1 under adapter-only LoRA syncs (the base weights pinned in host memory); SGLang keeps a host
+    backup whenever it frees its memory. Qwen2.5-Math-1.5B on TP1 engines: 1,543,714,304 bf16 weights."""
+    weights = 1_543_714_304 * 2 / GiB
+    base = "qwen2.5-math-1.5b_token_alp.yaml"
+    assert "sleeping engines keep no weights in host memory" in memory_plan(config(base), 8, H100).report()
+    for overrides in (["rollout.engine=sglang"], ["lora.enabled=true", "lora.sync=adapter"]):
+        report = memory_plan(config(base, *overrides), 8, H100).report()
+        assert f"sleeping engines: {weights:.2f} GiB of host memory per engine GPU" in report, overrides
+    assert "sleeping engines" not in memory_plan(config(base, "rollout.free_memory_during_training=false"), 8,
+                                                 H100).report()
 
 
 def test_routing_replay_host_buffers_are_counted():

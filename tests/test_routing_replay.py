@@ -21,6 +21,8 @@ from megatron_alp.models.tiny import tiny_hf_config
 from megatron_alp.resolve import config_from_dict
 from megatron_alp.runtime.parallel import init_distributed
 from megatron_alp.training.builder import build_gpt_model
+from megatron_alp.training.calibration import probe_routing, probe_sequences
+from megatron_alp.training.layer_states import megatron_layer_states
 from megatron_alp.training.micro_batch import Batching
 from megatron_alp.training.policy_update import compute_logprobs
 from megatron_alp.training.rl_batch import RLBatch
@@ -175,6 +177,35 @@ def test_r3_without_engine_routing_names_the_keys(moe_model):
     with pytest.raises(RuntimeError, match="moe.routing_replay=r3 needs rollout.return_routed_experts"):
         compute_logprobs(moe_model, _one_sequence(), batching=Batching(size=1), temperature=1.0, pad_id=0,
                          routing=PassRouting(replay="rollout_routing"))
+
+
+def test_the_layer_probe_replays_the_engines_routing_under_r3(moe_model):
+    """N5: under R3 the probe's Megatron forward uses the engine's experts, as the update pass does.
+    Given the router's own choice it is the free forward bit for bit; given other experts for token
+    3 at layer 1, the input of layer 2 changes from token 3 on and nothing before layer 2 or token 3
+    does. The probe takes the engine's routing of its own rows only under R3."""
+    batch = _one_sequence()
+    compute_logprobs(moe_model, batch, batching=Batching(size=1), temperature=1.0, pad_id=0,
+                     routing=PassRouting(record=True))
+    own = batch.old_routing.clone()
+    changed = own.clone()
+    changed[0, 3, 1] = (changed[0, 3, 1] + 3) % 8
+    batch.rollout_routing = changed
+    sequences = probe_sequences([batch.tokens[0].tolist()], budget=10)
+    assert probe_routing(batch, sequences, "old_routing") is None and probe_routing(batch, sequences, None) is None
+    given = probe_routing(batch, sequences, "rollout_routing")
+    assert len(given) == 1 and torch.equal(given[0], changed[0, :10])
+
+    free = megatron_layer_states(moe_model, sequences, ("input",))[0]["input"]
+    as_own = megatron_layer_states(moe_model, sequences, ("input",), routing=[own[0, :10]])[0]["input"]
+    replayed = megatron_layer_states(moe_model, sequences, ("input",), routing=given)[0]["input"]
+    assert free.shape == (4, 10, moe_model.config.hidden_size)
+    assert torch.equal(as_own, free)
+    assert torch.equal(replayed[:2], free[:2]) and torch.equal(replayed[2, :3], free[2, :3])
+    assert (replayed[2, 3] - free[2, 3]).abs().max() > 1e-6
+    batch.rollout_routing = None
+    with pytest.raises(RuntimeError, match="rollout.return_routed_experts"):
+        probe_routing(batch, sequences, "rollout_routing")
 
 
 def test_the_aux_loss_metric_is_megatrons_formula(moe_model):

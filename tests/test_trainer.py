@@ -171,13 +171,13 @@ def test_a_run_saved_on_two_ranks_resumes_on_one(sync_run, tmp_path, layout, req
         run = copy_run(sync_run, tmp_path / layout, base_model_only=True)
         rc, out = train(run, *SYNC_RUN, "trainer.iterations=1", *{"tp2": TP2_SP, "pp2": PP2}[layout], nproc=2)
         assert rc == 0, out[-6000:]
-    rc, out = train(run, *SYNC_RUN)
+    rc, out = train(run, *SYNC_RUN, "trainer.iterations=2")  # the first iteration after the resume
     assert rc == 0, out[-6000:]
     change = {"dp2": "DP 2 -> 1", "tp2": "TP 2 -> 1", "pp2": "PP 2 -> 1"}[layout]
     assert f"resuming iter_0000001 at another layout ({change}): weights, optimizer state, ALP sigmas" in out, out
     assert f"resumed from {run / 'checkpoints' / 'iter_0000001'} at iteration 1, step 2" in out, out
     resumed, straight = metrics(run), metrics(sync_run)
-    assert [r["iteration"] for r in resumed] == [0, 1, 2]
+    assert [r["iteration"] for r in resumed] == [0, 1]
     for a, b in zip(resumed[1:], straight[1:]):
         for key in ("data/epoch", "step", "lr", "lr/sigma"):  # the sampler position, the LR schedule
             assert a[key] == b[key], (layout, a["iteration"], key, a[key], b[key])

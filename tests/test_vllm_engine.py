@@ -44,6 +44,29 @@ def test_chunked_prefill_is_turned_off_only_on_the_cpu():
     assert kwargs(gpu=True, routing=True)["enable_return_routed_experts"] is True
 
 
+def test_gpu_engine_arguments_are_vllms_and_a_sleeping_engine_offloads_its_cuda_graphs():
+    """The GPU-only arguments never run here, so check them against vLLM's own EngineArgs: a typo
+    or a renamed option fails on the CPU. A colocated engine that sleeps while Megatron trains backs
+    its CUDA-graph pool up to host memory (vLLM keeps it on the GPU through sleep otherwise); an
+    eager engine has none, an engine on GPUs of its own never sleeps."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    from megatron_alp.rollout.vllm.engine import llm_kwargs
+
+    def kwargs(**rollout):
+        return llm_kwargs(rollout_cfg(**rollout), model="m", tokenizer="t", seed=0, max_model_len=256,
+                          quantization={}, gpu=True, return_routing=True, lora_rank=8)
+
+    colocated = kwargs(placement="colocated", free_memory_during_training=True)
+    assert set(colocated) <= {f.name for f in dataclasses.fields(EngineArgs)}, set(colocated)
+    assert colocated["enable_sleep_mode"] is True and colocated["sleep_mode_offload_cudagraph"] is True
+    assert "sleep_mode_offload_cudagraph" not in kwargs(placement="colocated", free_memory_during_training=True,
+                                                         enforce_eager=True)
+    assert "sleep_mode_offload_cudagraph" not in kwargs(placement="colocated", free_memory_during_training=False)
+
+
 @pytest.fixture(scope="module")
 def model_dirs(tiny_model):
     return {f: tiny_model(f, seed=3) for f in FAMILIES}

@@ -234,3 +234,32 @@ def test_cuda_ipc_bucket_reaches_another_process_intact(tmp_path):
     writer.close()
     for n, t in tensors:
         assert seen[n].is_cuda and torch.equal(seen[n].cpu(), t.cpu()), n
+
+
+def test_a_tensor_parallel_worker_opens_the_leaders_bucket_from_its_own_gpu():
+    """Issue 37 R3: the CUDA bucket lives on the replica's first GPU. A worker on another GPU opens
+    it from its own device (peer access), making no CUDA context on the leader's GPU; device 0 is
+    only the fallback where peer access is refused. The calls torch's rebuild receives, recorded."""
+    from megatron_alp.rollout.weight_sync import open_cuda_bucket
+
+    def rebuild(refuse_peer):
+        calls = []
+
+        def call(*args):
+            calls.append(args[6])
+            if refuse_peer and args[6] != 0:
+                raise RuntimeError("peer access is not supported between these two devices")
+            return f"opened on {args[6]}"
+        return call, calls
+
+    args = tuple(range(12))  # rebuild_cuda_tensor's arguments; [6] is storage_device
+    for device, refuse, expected, opened in ((0, False, [0], "opened on 0"), (3, False, [3], "opened on 3"),
+                                             (3, True, [3, 0], "opened on 0")):
+        call, calls = rebuild(refuse)
+        assert open_cuda_bucket(call, args, device) == opened and calls == expected
+
+    def broken(*args):
+        raise RuntimeError("invalid device pointer")
+
+    with pytest.raises(RuntimeError, match="invalid device pointer"):  # failing on device 0 too: the real error
+        open_cuda_bucket(broken, args, 3)

@@ -96,10 +96,10 @@ def measure(cfg: Config, model_dir: str, *, prompts: int, n: Optional[int], max_
             seconds = time.time() - t0
             # every token that was fed through the models (the last one is only a target)
             sequences = [(t.prompt_ids + t.response_ids)[:-1] for t in trajectories[:layers]]
-            engine_states = engine_layer_states(engine, sequences) if layers else None
+            engine_states = engine_layer_states(engine, sequences, KINDS) if layers else None
             # perturbation.calibration_mode: per_layer sizes sigma by each layer's input divergence
             probe = probe_sequences([t.prompt_ids + t.response_ids for t in trajectories]) if per_layer else []
-            probe_states = engine_layer_states(engine, probe) if probe else None
+            probe_states = engine_layer_states(engine, probe, ("input",)) if probe else None
         finally:
             engine.shutdown()
         layer_report = layer_divergence(engine_states, megatron_layer_states(model, sequences, KINDS)) if layers else None
@@ -141,12 +141,12 @@ def measure(cfg: Config, model_dir: str, *, prompts: int, n: Optional[int], max_
     return report, train, rollout
 
 
-def engine_layer_states(rollout: DistributedRollout, sequences: list[list[int]]) -> list[dict]:
-    """The engine's per-layer hidden states of ``sequences``, captured inside it (vLLM only)."""
+def engine_layer_states(rollout: DistributedRollout, sequences: list[list[int]], kinds: tuple[str, ...]) -> list[dict]:
+    """The engine's per-layer hidden states of ``sequences``, only ``kinds``, captured inside it (vLLM only)."""
     if not get_engine(rollout.cfg.engine).captures_layers:
         raise InputError(f"--layers: rollout.engine {rollout.cfg.engine} cannot show its layers' hidden states; "
                          "use rollout.engine vllm")
-    return rollout.layer_states(sequences)
+    return rollout.layer_states(sequences, kinds)
 
 
 def setting_name(cfg: Config) -> str:

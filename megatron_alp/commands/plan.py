@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, gpu=True)  # a plan is for GPUs, whatever runs it
     gpus = args.gpus if args.gpus is not None else default_gpus(cfg)
     plan = memory_plan(cfg, gpus, args.gpu_mem, nproc_per_node=args.nproc_per_node)
     print(plan.report(), flush=True)

@@ -215,15 +215,31 @@ def _map_shm(name: str) -> mmap.mmap:
         os.close(fd)
 
 
-def load_bucket(handle: bytes, load: Callable[[Iterator[tuple[str, torch.Tensor]]], None]) -> int:
+def open_cuda_bucket(rebuild: Callable, args: Sequence, device: int) -> torch.Tensor:
+    """The trainer's CUDA bucket in an engine worker on GPU ``device`` of its replica (torch's
+    ``rebuild_cuda_tensor`` and its arguments, from the pickled handle). The buffer lives on the
+    replica's first GPU (the leader's, device 0 here): opened from the worker's own device, the
+    worker reads it over peer access; opened on device 0, each of the other tensor-parallel workers
+    would make a CUDA context of its own on the leader's GPU (hundreds of MiB each, counted
+    nowhere), so that is only the way when peer access is refused."""
+    args = list(args)  # args[6]: storage_device
+    if device != 0:
+        args[6] = device
+        try:
+            return rebuild(*args)
+        except RuntimeError:  # no peer access between the two GPUs
+            pass
+    args[6] = 0
+    return rebuild(*args)
+
+
+def load_bucket(handle: bytes, load: Callable[[Iterator[tuple[str, torch.Tensor]]], None], device: int = 0) -> int:
     """The engine side: call ``load`` on the bucket's tensors, viewed in place (no copy); returns
-    the bytes loaded. ``load`` must not keep the tensors (they alias the trainer's buffer)."""
+    the bytes loaded. ``load`` must not keep the tensors (they alias the trainer's buffer).
+    ``device``: the worker's GPU (:func:`open_cuda_bucket`)."""
     kind, ref, metas = pickle.loads(handle)
     if kind == "cuda":
-        rebuild, args = ref
-        args = list(args)
-        args[6] = 0  # storage_device: the leader's GPU is the replica's first, device 0 here
-        flat = rebuild(*args)
+        flat = open_cuda_bucket(*ref, device)
         load(bucket_views(flat, metas))
         torch.cuda.synchronize()
         del flat

@@ -131,8 +131,8 @@ GiB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 RUNTIME_BYTES = 3 * GiB  # per trainer process: CUDA context, NCCL communicators, cuBLAS/TE workspaces
 ENGINE_WORKSPACE_BYTES = 3 * GiB  # vLLM's profiled activation peak, sampler logits, CUDA graphs, non-torch memory
-# a sleeping engine: its CUDA context, and the CUDA-graph pool and NCCL buffers vLLM keeps through sleep
-# (not measured yet: the GPU self-test's phase ledger measures it)
+# a sleeping engine: its CUDA context and the NCCL buffers vLLM keeps through sleep (its CUDA-graph pool
+# goes to host memory: sleep_mode_offload_cudagraph); not measured yet: the GPU self-test's phase ledger does
 ENGINE_ASLEEP_BYTES = 2 * GiB
 # the rows of the plan, in the order a run meets them (each phase of the table counts in its PhaseSpec.plan_row)
 PLAN_ROWS = ("warm_start", "rollout", "engine_restart_resync", "training", "weight_sync", "sync_verification",
@@ -916,12 +916,29 @@ def _plan(cfg: Config, gpus: int, gpu_mem_gib: float, hf: dict, source: str,
         "nothing offloaded: Megatron's state stays on the trainer GPUs, each engine keeps its own GPU "
         "(rollout.placement: separate)" if lay.separate else
         f"host memory for the offloaded state: {_gib(offloaded)} GiB per GPU",
-    ) + _routing_note(cfg, arch, lay, responses, seq) + (
+    ) + _engine_host_note(cfg, lay, engine_weights) + _routing_note(cfg, arch, lay, responses, seq) + (
         f"checkpoint save: {_gib(save_host)} GiB of host memory on a data-parallel group's first rank (the "
         "optimizer state gathered, the weights staged for writing)",)
     return MemoryPlan(source, lay.describe(bool(arch.experts)), gpus, total, phases, offloaded,
                       notes, tuple(problems), tuple(failing), engine_weights + ENGINE_WORKSPACE_BYTES + one_sequence,
                       engine_gpus=lay.engine_gpu_count)
+
+
+def _engine_host_note(cfg: Config, lay: Layout, engine_weights: int) -> tuple[str, ...]:
+    """The host copy of a sleeping engine's weights (megatron_alp/rollout/engine_memory.py): vLLM's
+    level-1 sleep offloads them to pinned host memory, needed only where a sync re-sends the adapters
+    alone (``lora.sync: adapter``; else level 2 discards them); SGLang keeps a host copy
+    (``--enable-weights-cpu-backup``) whenever it frees its memory."""
+    r = cfg.rollout
+    if lay.separate or not r.free_memory_during_training:
+        return ()
+    if r.engine == "sglang" or (cfg.lora.enabled and cfg.lora.sync == "adapter"):
+        why = ("SGLang's --enable-weights-cpu-backup" if r.engine == "sglang" else
+               "vLLM sleep level 1: lora.sync: adapter never re-sends the base")
+        return (f"sleeping engines: {_gib(engine_weights)} GiB of host memory per engine GPU for their weights "
+                f"({why})",)
+    return ("sleeping engines keep no weights in host memory (vLLM sleep level 2: every weight sync "
+            "re-sends them)",)
 
 
 def _routing_note(cfg: Config, arch: Architecture, lay: Layout, responses: int, seq: int) -> tuple[str, ...]:
@@ -1016,7 +1033,7 @@ def _try(cfg: Config, overrides: list[str], gpus: int, gpu_mem_gib: float, hf: d
          source: str, nproc_per_node: Optional[int] = None) -> Optional[MemoryPlan]:
     """The plan of ``cfg`` changed by ``overrides`` on ``gpus`` GPUs; None for a layout that cannot run."""
     try:
-        changed = config_from_dict(apply_overrides(cfg.model_dump(mode="json"), overrides))
+        changed = config_from_dict(apply_overrides(cfg.model_dump(mode="json"), overrides), gpu=True)
         return _plan(changed, gpus, gpu_mem_gib, hf, source, nproc_per_node)
     except ConfigError:
         return None

@@ -292,7 +292,7 @@ class RLTrainer:
         if layer_probe_due(cfg.perturbation, self.iteration):
             self.phases.enter("layer_probe")
             with timed(m, "layer_probe"):
-                divergence = layer_input_divergence(self.policy, self.rollout, batch)
+                divergence = layer_input_divergence(self.policy, self.rollout, batch, self.routing.update.replay)
         self.phases.enter("logprob")
         with peak_memory(m, "logprob"):
             self._logprob_passes(local, m, divergence)

@@ -212,16 +212,33 @@ def input_divergence(engine: list[dict[str, torch.Tensor]], train: list[dict[str
     return robust_rms(torch.stack(rows))
 
 
-def layer_input_divergence(model, rollout, batch: RLBatch) -> list[float]:
+def probe_routing(batch: RLBatch, sequences: list[list[int]], replay: Optional[str]
+                  ) -> Optional[list[torch.Tensor]]:
+    """The experts the probe's Megatron forward replays for ``sequences`` (the first rows of
+    ``batch``, cut short): the engine's (``batch.rollout_routing``) where the update pass replays
+    them (``replay``: R3), so that the measured drift has no routing flip the update never sees.
+    None otherwise: under R2 the update replays the old-policy pass's choice, which is what the
+    probe's own unperturbed router chooses."""
+    if replay != "rollout_routing":
+        return None
+    if batch.rollout_routing is None:
+        raise RuntimeError("layer probe under moe.routing_replay=r3: the batch carries no engine routing "
+                           "(rollout.return_routed_experts)")
+    return [batch.rollout_routing[i, : len(s)] for i, s in enumerate(sequences)]
+
+
+def layer_input_divergence(model, rollout, batch: RLBatch, replay: Optional[str] = None) -> list[float]:
     """Per perturbed site, :func:`input_divergence` between the engine's and this model's states of
-    :func:`probe_sequences` of ``batch`` (the same on every rank). ``rollout``: the
-    :class:`~megatron_alp.rollout.distributed.DistributedRollout`, whose first live replica shows its
-    layer inputs on its leader (``rollout.prober``; needs the engine awake and Megatron's weights
+    :func:`probe_sequences` of ``batch`` (the same on every rank), Megatron's with the update pass's
+    routing replay (:func:`probe_routing`; ``replay``: the field the update pass replays). ``rollout``:
+    the :class:`~megatron_alp.rollout.distributed.DistributedRollout`, whose first live replica shows
+    its layer inputs on its leader (``rollout.prober``; needs the engine awake and Megatron's weights
     resident: the trainer's ``layer_probe`` phase). Every rank runs the model's forwards and gets the
     leader's result."""
     sequences = probe_sequences([row[:n] for row, n in zip(batch.tokens.tolist(), batch.lengths.tolist())])
     engine = rollout.layer_states(sequences, kinds=("input",))
-    train = megatron_layer_states(model, sequences, kinds=("input",))
+    train = megatron_layer_states(model, sequences, kinds=("input",),
+                                  routing=probe_routing(batch, sequences, replay))
     return rollout.broadcast(input_divergence(engine, train, site_layers(model)) if engine is not None else None,
                              src=rollout.prober)
 

@@ -12,17 +12,22 @@ exchange tokens with their expert-parallel group, so every rank takes part. Unde
 parallelism a layer sees 1/TP of the tokens; they are gathered over the tensor-parallel group (the
 sequence padded at its end to a multiple of TP first, which leaves the causal states of its own
 tokens unchanged). One pipeline stage only: the whole model runs in one forward.
+
+On an MoE model a forward given ``routing`` replays those experts (the tokens given none route on
+their own): under routing replay R3 every training pass uses the engine's experts, so the probe
+that sizes sigma must too, or its drift would include routing flips the update never sees.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Iterator, Optional
 
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.utils import unwrap_model
 
+from megatron_alp.models.routing import MicroBatchRouting, no_expert, routing_of, to_router
 from megatron_alp.runtime.comm import comm_device
 
 KINDS = ("input", "residual", "attention", "mlp")
@@ -88,12 +93,33 @@ def _whole_sequence(shard: torch.Tensor, sequence_parallel: bool) -> torch.Tenso
     return torch.cat(parts).cpu()
 
 
+def _replaying(chunk, routing: Optional[torch.Tensor], length: int):
+    """The routing pass of one probe forward: ``routing`` (``[tokens, layers, k]``, every layer of
+    the model) replayed, padded to ``length`` with "no expert"; nothing for a dense model or none given."""
+    control = routing_of(chunk)
+    if control is None or routing is None:
+        return nullcontext()
+    pad = torch.full((length - len(routing), *routing.shape[1:]), no_expert(routing.dtype), dtype=routing.dtype)
+    laid = control.local_layers(torch.cat([routing[:length], pad])[None])
+    device = next(chunk.parameters()).device
+    tokens = torch.ones(length, dtype=torch.bool, device=device)
+
+    @contextmanager
+    def replay():
+        with control.pass_(training=False):
+            control.begin_microbatch(MicroBatchRouting(
+                tokens=tokens, replay=to_router(laid, control.sequence_parallel).to(device)))
+            yield
+    return replay()
+
+
 @torch.no_grad()
-def megatron_layer_states(model, sequences: list[list[int]], kinds: tuple[str, ...] = KINDS
-                          ) -> list[dict[str, torch.Tensor]]:
+def megatron_layer_states(model, sequences: list[list[int]], kinds: tuple[str, ...] = KINDS,
+                          routing: Optional[list[Optional[torch.Tensor]]] = None) -> list[dict[str, torch.Tensor]]:
     """Per sequence and kind ``[layers, tokens, hidden]`` float32 (CPU), from a plain causal
     forward of the sequence alone (eval mode, no perturbation: noise is added only inside
-    :func:`~megatron_alp.training.perturbation.perturbed_step`). Every rank calls it with the same
+    :func:`~megatron_alp.training.perturbation.perturbed_step`). ``routing``: per sequence, the
+    experts to replay (``[tokens, layers, k]``) or None. Every rank calls it with the same
     ``sequences`` and gets the same states."""
     layers = _layers(model)
     config = layers[0].config
@@ -105,10 +131,11 @@ def megatron_layer_states(model, sequences: list[list[int]], kinds: tuple[str, .
         c.eval()
     states = []
     try:
-        for sequence in sequences:
+        for i, sequence in enumerate(sequences):
             padded = list(sequence) + [0] * (-len(sequence) % tp if config.sequence_parallel else 0)
             tokens = torch.tensor([padded], device=device)
-            with captured(model, kinds) as records:
+            given = routing[i] if routing is not None else None
+            with captured(model, kinds) as records, _replaying(chunks[0], given, len(padded)):
                 chunks[0](tokens, torch.arange(len(padded), device=device).unsqueeze(0), None)
             # [s, 1, h] per layer -> [layers, s, h]
             states.append({kind: torch.stack([_whole_sequence(calls[0], config.sequence_parallel)[:len(sequence), 0]

@@ -78,7 +78,7 @@ from megatron_alp.rollout.placement import Placement, placement_env
 from megatron_alp.rollout.quantization import check_model_not_prequantized, vllm_quantization_args
 from megatron_alp.rollout.vllm.plugin import ENGINE_RANK, SLEEP_WHEN_IDLE
 from megatron_alp.rollout.vllm.transports import SYNC_METHODS, transport_for
-from megatron_alp.rollout.vllm.worker import WorkerExtension, layer_tensor
+from megatron_alp.rollout.vllm.worker import WorkerExtension, read_captured
 from megatron_alp.rollout.weight_sync import WeightStream, default_sync_root, is_finite
 from megatron_alp.runtime.platform import has_gpu
 from megatron_alp.runtime.seeding import derive_seed
@@ -164,6 +164,10 @@ def llm_kwargs(cfg: RolloutConfig, *, model: str, tokenizer: str, seed: int, max
     )
     if gpu:
         kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=sleep_mode(cfg, gpu))
+        if sleep_mode(cfg, gpu) and not cfg.enforce_eager:
+            # the CUDA-graph pool would otherwise stay on the GPU through sleep, beside Megatron's
+            # training state; backed up to host memory, it comes back with the first wake
+            kwargs.update(sleep_mode_offload_cudagraph=True)
     else:
         kwargs.update(enable_chunked_prefill=False)
     if return_routing:
@@ -523,7 +527,8 @@ class VLLMEngine(RolloutEngine):
         """What every decoder layer computes for each token sequence, fed whole as one prompt
         (:meth:`WorkerExtension.capture_layers`; per kind of ``kinds``, ``[layers, len(sequence),
         hidden]``). One sequence at a time, with the prefix cache emptied first, so that the captured
-        forward passes hold exactly its tokens, in order; only the first worker records and answers."""
+        forward passes hold exactly its tokens, in order; only the first worker records and answers,
+        in chunks of layers (:func:`~megatron_alp.rollout.vllm.worker.read_captured`)."""
         unknown = sorted(set(kinds) - set(LAYER_KINDS))
         if unknown:
             raise ValueError(f"layer states of kinds {unknown}: the engine shows {', '.join(LAYER_KINDS)}")
@@ -534,8 +539,8 @@ class VLLMEngine(RolloutEngine):
             try:
                 self.generate([list(sequence)], SamplingParams(temperature=0.0, max_tokens=1))
             finally:
-                packed = self.rpc("captured_layers")[0]
-            captured = {kind: layer_tensor(tensor) for kind, tensor in packed.items()}
+                shapes = self.rpc("captured_layers")[0]
+            captured = read_captured(lambda *chunk: self.rpc("captured_chunk", args=chunk)[0], shapes)
             tokens = next(iter(captured.values())).shape[1]
             if tokens != len(sequence):
                 raise RolloutError(f"sequence {i}: vLLM's layers saw {tokens} tokens of its {len(sequence)} "

@@ -59,7 +59,8 @@ class WorkerExtension:
 
     def load_weight_bucket(self, handle: bytes) -> int:
         """Reload the weights of one bucket packed by :class:`BucketWriter` (whole layers)."""
-        return load_bucket(handle, lambda weights: self.reload_weights(weights_iterator=weights))
+        device = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        return load_bucket(handle, lambda weights: self.reload_weights(weights_iterator=weights), device)
 
     def join_weight_broadcast(self, spec: dict) -> None:
         """Join the replica leader's weight broadcast group (a new one after every engine start)."""
@@ -110,24 +111,55 @@ class WorkerExtension:
                     hooks.append(getattr(layer, name).register_forward_hook(recorder(kind, i, _branch)))
         return len(layers)
 
-    def captured_layers(self) -> dict[str, tuple[list[int], bytes]] | None:
-        """End :meth:`capture_layers`: per kind, ``[layers, tokens, hidden]`` float32, the tokens of
-        every recorded forward pass in order (vLLM flattens a step's tokens, request after request),
-        as (shape, raw bytes) (:func:`layer_tensor`): vLLM returns a worker's tensors from its
-        engine-core process only as plain lists, unless its insecure pickle serialization is on.
-        None on the workers that record nothing."""
+    def captured_layers(self) -> dict[str, list[int]] | None:
+        """End :meth:`capture_layers`: per kind, the shape ``[layers, tokens, hidden]`` of what was
+        recorded (float32, the tokens of every recorded forward pass in order: vLLM flattens a step's
+        tokens, request after request), read in chunks of layers with :meth:`captured_chunk`
+        (:func:`read_captured`). None on the workers that record nothing."""
         for hook in getattr(self, "_layer_hooks", []):
             hook.remove()
         self._layer_hooks = []
         records = getattr(self, "_layer_records", {})
-        self._layer_records = {}
+        self._layer_records, self._layer_result = {}, {}
         if self.rank != 0:
             return None
         ran = next(iter(records.values()), [])
         if not ran or not all(ran):
             raise RuntimeError("no decoder layer ran while capturing: a compiled or CUDA-graph engine skips "
                                "forward hooks (set rollout.enforce_eager: true)")
-        captured = {kind: torch.stack([torch.cat(calls) for calls in layers]) for kind, layers in records.items()}
-        return {kind: (list(t.shape), t.numpy().tobytes()) for kind, t in captured.items()}
+        self._layer_result = {kind: torch.stack([torch.cat(calls) for calls in layers])
+                              for kind, layers in records.items()}
+        return {kind: list(t.shape) for kind, t in self._layer_result.items()}
+
+    def captured_chunk(self, kind: str, start: int, stop: int) -> tuple[list[int], bytes] | None:
+        """Layers ``start:stop`` of the captured ``kind``, as (shape, raw bytes) (:func:`layer_tensor`):
+        vLLM returns a worker's tensors from its engine-core process only as plain lists unless its
+        insecure pickle serialization is on, and msgpack holds at most 4 GiB in one value. The chunk
+        that reaches the last layer releases the kind's host memory. None on the other workers."""
+        if self.rank != 0:
+            return None
+        result = getattr(self, "_layer_result", {})
+        if kind not in result:
+            raise RuntimeError(f"captured_chunk({kind!r}): no captured {kind} states (captured_layers first)")
+        chunk = result[kind][start:stop].contiguous()
+        if stop >= len(result[kind]):
+            del result[kind]
+        return list(chunk.shape), chunk.numpy().tobytes()
+
+
+CAPTURE_CHUNK_BYTES = 256 << 20  # one reply of captured states: far below msgpack's 4 GiB a value
+
+
+def read_captured(call, shapes: dict[str, list[int]], limit: int = CAPTURE_CHUNK_BYTES) -> dict[str, torch.Tensor]:
+    """The first worker's captured states per kind of ``shapes`` (:meth:`WorkerExtension.captured_layers`),
+    fetched in chunks of whole layers of at most ``limit`` bytes (one layer where a layer is larger).
+    ``call(kind, start, stop)``: that worker's :meth:`WorkerExtension.captured_chunk`."""
+    states = {}
+    for kind, shape in shapes.items():
+        step = max(1, limit // max(4 * int(np.prod(shape[1:])), 1))
+        states[kind] = torch.cat([layer_tensor(call(kind, start, min(start + step, shape[0])))
+                                  for start in range(0, shape[0], step)])
+    return states
+
 
 enable_cpu_amx()
