@@ -9,10 +9,13 @@ re-runs each layer's post-load processing (quantized engines re-quantize):
   ``reload_weights(weights_iterator=...)`` takes the stream directly.
 - :class:`SharedBuckets` (``memory``, engine in its subprocess): each bucket of whole layers is
   packed into a shared-memory segment (CPU) or a CUDA IPC buffer (GPU) that the workers map and
-  reload from (:meth:`~megatron_alp.rollout.vllm.worker.WorkerExtension.load_weight_bucket`).
+  load from (:meth:`~megatron_alp.rollout.vllm.worker.WorkerExtension.load_weight_bucket`).
 - :class:`Broadcast` (``broadcast``, engines on devices of their own): each bucket is broadcast
   from this process to the workers in a process group of their own
   (:mod:`megatron_alp.rollout.weight_broadcast`).
+
+Both bucketed transports load a whole sync in one reload session of the workers
+(:func:`reload_session`), not one per bucket.
 - :class:`Folder` (``folder``): a safetensors checkpoint in ``rollout.sync_dir`` that the workers
   reload; it outlives an engine restart, which starts from it.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import abc
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 from typing import ClassVar, Iterable, Optional
 
@@ -31,6 +35,16 @@ from megatron_alp.rollout.weight_broadcast import BroadcastSender
 from megatron_alp.rollout.weight_sync import BucketWriter, default_sync_root, layer_buckets, write_hf_checkpoint
 
 Weights = Iterable[tuple[str, torch.Tensor]]
+
+
+@contextmanager
+def reload_session(engine):
+    """The workers' reload session around one sync's buckets
+    (:meth:`~megatron_alp.rollout.vllm.worker.WorkerExtension.begin_weight_reload`). A bucket that
+    fails leaves it open: the engine is then broken and restarted before its next use."""
+    engine.rpc("begin_weight_reload")
+    yield
+    engine.rpc("end_weight_reload")
 
 
 class WeightTransport(abc.ABC):
@@ -86,8 +100,9 @@ class SharedBuckets(WeightTransport):
         if self._writer is None:
             self._writer = BucketWriter()
         try:
-            for bucket in layer_buckets(weights, self.cfg.sync_bucket_mb << 20):
-                engine.rpc("load_weight_bucket", args=(self._writer.pack(bucket),))
+            with reload_session(engine):
+                for bucket in layer_buckets(weights, self.cfg.sync_bucket_mb << 20):
+                    engine.rpc("load_weight_bucket", args=(self._writer.pack(bucket),))
         finally:
             self._writer.release_device()
 
@@ -139,9 +154,10 @@ class Broadcast(WeightTransport):
             self._sender = BroadcastSender(workers=self.cfg.tensor_parallel_size,
                                            timeout_s=self.cfg.request_timeout_s, alive=engine.alive)
         try:
-            for bucket in layer_buckets(weights, self.cfg.sync_bucket_mb << 20):
-                self._sender.send(bucket, join=lambda spec: engine.rpc("join_weight_broadcast", args=(spec,)),
-                                  receive=lambda header: engine.rpc("receive_weight_bucket", args=(header,)))
+            with reload_session(engine):
+                for bucket in layer_buckets(weights, self.cfg.sync_bucket_mb << 20):
+                    self._sender.send(bucket, join=lambda spec: engine.rpc("join_weight_broadcast", args=(spec,)),
+                                      receive=lambda header: engine.rpc("receive_weight_bucket", args=(header,)))
         finally:
             if self._sender is not None:
                 self._sender.release_device()

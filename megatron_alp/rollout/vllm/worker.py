@@ -57,21 +57,58 @@ class WorkerExtension:
     """Mixed into vLLM's worker class: the receiving ends of the weight transports
     (:mod:`megatron_alp.rollout.vllm.transports`), and the per-layer capture."""
 
+    def begin_weight_reload(self) -> None:
+        """Open one reload session for a whole weight sync: the buckets that follow
+        (:meth:`load_weight_bucket`, :meth:`receive_weight_bucket`) load into it and
+        :meth:`end_weight_reload` closes it. vLLM's layerwise reload processes each layer (re-quantizes
+        it) once all its tensors arrived; its ``reload_weights`` opens and closes such a session on
+        every call, which re-initialises and finalises every layer of the model, once per bucket."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(self.model_runner.get_model())
+        self._reload_session = True
+
+    def end_weight_reload(self) -> None:
+        """Close the session of :meth:`begin_weight_reload` as vLLM's ``reload_weights`` closes its
+        own: layers no bucket reached keep their weights, attention scales are reloaded, and the state
+        derived from the old weights (LoRA, encoder and multimodal caches) is dropped."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        self._reload_session = False
+        with set_current_vllm_config(self.vllm_config):
+            finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
+        self.model_runner.reset_lora_state()
+        self.model_runner.reset_encoder_cache()
+        self.model_runner.reset_mm_cache()
+
+    def _load(self, weights) -> None:
+        """One bucket's weights: into the sync's reload session, else in a session of their own."""
+        if not getattr(self, "_reload_session", False):
+            self.reload_weights(weights_iterator=weights)
+            return
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.get_model().load_weights(weights)
+
     def load_weight_bucket(self, handle: bytes) -> int:
-        """Reload the weights of one bucket packed by :class:`BucketWriter` (whole layers)."""
+        """Load the weights of one bucket packed by :class:`BucketWriter` (whole layers)."""
         device = torch.cuda.current_device() if torch.cuda.is_available() else 0
-        return load_bucket(handle, lambda weights: self.reload_weights(weights_iterator=weights), device)
+        return load_bucket(handle, self._load, device)
 
     def join_weight_broadcast(self, spec: dict) -> None:
         """Join the replica leader's weight broadcast group (a new one after every engine start)."""
         self._weight_receiver = BroadcastReceiver(spec, self.rank)
 
     def receive_weight_bucket(self, header: tuple) -> int:
-        """Receive one broadcast bucket (whole layers) and reload its weights."""
+        """Receive one broadcast bucket (whole layers) and load its weights."""
         receiver = getattr(self, "_weight_receiver", None)
         if receiver is None:
             raise RuntimeError("receive_weight_bucket before join_weight_broadcast")
-        return receiver.receive(header, lambda weights: self.reload_weights(weights_iterator=weights))
+        return receiver.receive(header, self._load)
 
     def capture_layers(self, kinds: list[str]) -> int:
         """Record ``kinds`` of what every decoder layer of this worker's model computes in the forward
