@@ -53,3 +53,25 @@ def test_groups_are_made_anew_after_the_world_was_destroyed():
     proc = subprocess.run([sys.executable, "-c", AFTER_TEARDOWN], cwd=ROOT, capture_output=True, text=True,
                           timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0 and "re-initialised" in proc.stdout, proc.stderr[-4000:]
+
+
+AFTER_VLLM_CPU_WORKER = """
+import torch
+from megatron_alp.runtime.platform import apply_cpu_shims, reclaim_cpu_streams
+assert apply_cpu_shims()
+import vllm.v1.worker.cpu.shm  # what an in-process CPU engine's worker imports
+assert torch.cuda.Stream().record_event() is None  # vLLM's stand-in: Megatron's MoE dispatcher would wait on it
+reclaim_cpu_streams()
+stream = torch.cuda.Stream()
+assert stream.record_event() is not None and stream is torch.cuda.current_stream()
+print("reclaimed")
+"""
+
+
+def test_an_in_process_engine_leaves_megatrons_moe_streams_working():
+    """vLLM's CPU worker module replaces torch.cuda's streams with stand-ins whose record_event is
+    None; after an in-process engine started, the CPU shim's streams are put back, so an MoE model
+    built later in the same process (intervene, then a routing replay) can synchronise."""
+    proc = subprocess.run([sys.executable, "-c", AFTER_VLLM_CPU_WORKER], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0 and "reclaimed" in proc.stdout, proc.stderr[-4000:]

@@ -262,6 +262,7 @@ class _NullStream:
     ``torch.cuda.Stream | None`` at import time (transformers, vLLM)."""
 
     _instance = None
+    device = torch.device("cpu")
 
     def __new__(cls, *args, **kwargs):
         if cls._instance is None:
@@ -280,11 +281,34 @@ class _NullStream:
     def wait_event(self, event):
         return None
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
     def query(self):
         return True
 
 
 _NULL_STREAM = _NullStream()
+
+
+def _null_streams() -> None:
+    """Shim 5: CUDA streams/events used by the MoE dispatchers (see _NullStream)."""
+    torch.cuda.Stream = _NullStream
+    torch.cuda.current_stream = lambda *a, **k: _NULL_STREAM
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+
+
+def reclaim_cpu_streams() -> None:
+    """Put shim 5 back after vLLM's CPU worker was imported into this process (an in-process
+    engine): that module installs stream stand-ins of its own in ``torch.cuda``, whose
+    ``record_event`` returns None, and a Megatron MoE layer built afterwards (a reference model, a
+    later command in the same process) dies waiting on that None. The shim's stream does all the
+    worker asks of its own. A no-op where the shims are not applied."""
+    if _APPLIED:
+        _null_streams()
 
 
 def _fix_missing_te_names() -> None:
@@ -344,10 +368,7 @@ def apply_cpu_shims() -> bool:
     # Shim 3: there is nothing to synchronise; p2p communication and timers call these.
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.empty_cache = lambda *a, **k: None
-    # Shim 5: CUDA streams/events used by the MoE dispatchers (see _NullStream).
-    torch.cuda.Stream = _NullStream
-    torch.cuda.current_stream = lambda *a, **k: _NULL_STREAM
-    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    _null_streams()
     # Shim 6: the MoE all-to-all dispatcher turns split sizes into host numpy arrays by copying
     # them off the GPU; on the CPU no copy happens and torch's all_to_all_single then rejects the
     # tensors, so do the numpy conversion here too.

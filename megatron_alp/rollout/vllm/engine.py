@@ -80,7 +80,7 @@ from megatron_alp.rollout.vllm.plugin import ENGINE_RANK, SLEEP_WHEN_IDLE
 from megatron_alp.rollout.vllm.transports import SYNC_METHODS, transport_for
 from megatron_alp.rollout.vllm.worker import WorkerExtension, read_captured
 from megatron_alp.rollout.weight_sync import WeightStream, default_sync_root, is_finite
-from megatron_alp.runtime.platform import has_gpu
+from megatron_alp.runtime.platform import has_gpu, reclaim_cpu_streams
 from megatron_alp.runtime.seeding import derive_seed
 
 
@@ -355,6 +355,7 @@ class VLLMEngine(RolloutEngine):
         try:
             with placement_env(self.placement):
                 self._llm = LLM(**kwargs)
+            reclaim_cpu_streams()  # vLLM's CPU worker, if it runs in this process, replaced them
             if self._adapter is not None:  # a restart: the adapter's folder is still there
                 self._llm.llm_engine.add_lora(self._adapter)
         except Exception as err:
