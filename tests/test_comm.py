@@ -72,8 +72,8 @@ def test_a_tensor_parallel_update_passes_the_checker(checks):
     pytest.param("pp2", ("parallel.pipeline_model_parallel_size=2",), marks=pytest.mark.slow),
 ])
 def test_the_trainer_runs_under_the_checker(tmp_path, layout, overrides):
-    """One iteration of the smallest shape that runs every collective of one: rollouts on both
-    replicas, the reward broadcast, logprob passes, an update with DP gradient reduction, MoE
+    """One iteration of the smallest shape that runs every collective of one: rollouts on every
+    replica (two under DP=2, one under PP=2), the reward broadcast, logprob passes, an update with DP gradient reduction, MoE
     all-to-all (with R2 routing replay: its TP gathers, metric reductions and the micro-batch count
     agreement) or pipeline send/recv, metrics, weight sync, checkpoint, validation (4 problems, k=1)."""
     run = tmp_path / layout
@@ -85,7 +85,8 @@ def test_the_trainer_runs_under_the_checker(tmp_path, layout, overrides):
     assert rc == 0, out[-6000:]
     (m,) = metrics(run)
     assert m["iteration"] == 0 and m["update/skipped"] == 0 and m["batch/groups"] == 2, m
-    assert m["rollout/replicas"] == 2 and "val/reward_mean" in m, m
+    replicas = 2 if layout == "dp2_ep2" else 1  # one replica per data-parallel rank: PP=2 is one model
+    assert m["rollout/replicas"] == replicas and "val/reward_mean" in m, m
     for key in ("loss/total", "ratio/p50", "grad_norm", "mismatch/kl_k3", "sigma/mean"):
         assert math.isfinite(m[key]), (key, m)
     assert (run / "checkpoints" / "iter_0000001").is_dir()
