@@ -902,7 +902,6 @@ def _plan(cfg: Config, gpus: int, gpu_mem_gib: float, hf: dict, source: str,
     kept = set(rollout.resident)
     offloaded = 0 if lay.separate else sum(i.nbytes for i in _megatron_state(cfg, arch, lay, *_stage_params(arch, lay)[0])
                                            if i.key not in kept and i.key != "grads")  # gradients are dropped
-    save_host = max(_save_transient(cfg, arch, lay, *stage).host for stage in _stage_params(arch, lay))
     micro_batch = MicroBatchShape.of(cfg, seq, t.max_tokens_per_micro_batch).describe
     if _logprob_budget(cfg):
         micro_batch += f"; old/reference logprob passes {_logprob_budget(cfg)} tokens (forward only)"
@@ -916,12 +915,18 @@ def _plan(cfg: Config, gpus: int, gpu_mem_gib: float, hf: dict, source: str,
         "nothing offloaded: Megatron's state stays on the trainer GPUs, each engine keeps its own GPU "
         "(rollout.placement: separate)" if lay.separate else
         f"host memory for the offloaded state: {_gib(offloaded)} GiB per GPU",
-    ) + _engine_host_note(cfg, lay, engine_weights) + _routing_note(cfg, arch, lay, responses, seq) + (
-        f"checkpoint save: {_gib(save_host)} GiB of host memory on a data-parallel group's first rank (the "
-        "optimizer state gathered, the weights staged for writing)",)
+    ) + _engine_host_note(cfg, lay, engine_weights) + _routing_note(cfg, arch, lay, responses, seq) + _save_note(
+        cfg, arch, lay)
     return MemoryPlan(source, lay.describe(bool(arch.experts)), gpus, total, phases, offloaded,
                       notes, tuple(problems), tuple(failing), engine_weights + ENGINE_WORKSPACE_BYTES + one_sequence,
                       engine_gpus=lay.engine_gpu_count)
+
+
+def _save_note(cfg: Config, arch: Architecture, lay: Layout) -> tuple[str, ...]:
+    """The checkpoint save's host memory on the fullest stage (:func:`_save_transient`)."""
+    host = max(_save_transient(cfg, arch, lay, *stage).host for stage in _stage_params(arch, lay))
+    return (f"checkpoint save: {_gib(host)} GiB of host memory on a data-parallel group's first rank (the "
+            "optimizer state gathered, the weights staged for writing)",)
 
 
 def _engine_host_note(cfg: Config, lay: Layout, engine_weights: int) -> tuple[str, ...]:
