@@ -533,12 +533,15 @@ def test_the_host_copy_of_a_sleeping_engines_weights_is_counted():
 
 
 def test_routing_replay_host_buffers_are_counted():
-    """Qwen3-30B-A3B (48 layers, 8 of 128 experts per token, uint8 ids), R3 on 16 GPUs (DP16): the
-    engine's expert ids of the whole batch on every rank, and the old pass's of the rank's share."""
+    """Qwen3-30B-A3B (48 layers, 8 of 128 experts per token, uint8 ids), R3 on 16 GPUs (DP16, 4
+    replicas of TP4): on a replica leader the engine's expert ids of its replica's quarter of the
+    batch (held until fetched), and of the rank's sixteenth the engine's (fetched, then dense) and
+    the old pass's: no rank holds the whole batch's (review finding R5)."""
     cfg = config("qwen3-30b-a3b_seq_alp.yaml")
     responses = cfg.trainer.prompts_per_iteration * cfg.rollout.sampling.n
     per_sequence = 4096 * 48 * 8
-    host = responses * per_sequence + responses // 16 * per_sequence
+    host = responses // 4 * per_sequence + 3 * (responses // 16) * per_sequence
+    assert host < responses * per_sequence / 2
     plan = memory_plan(cfg, 16, H100)
     assert f"routing replay (r3): {host / GiB:.2f} GiB of host memory per rank" in plan.report()
 

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import (LOSS_KEYS, PP2, QUICKSTART, QUICKSTART_LORA, QUICKSTART_TIR, ROLLOUT_KEYS, SEPARATE, SMALL, SYNC_RUN,
                      TP2_SP, UNPERTURBED_KEYS, copy_run, metrics, train)
 
@@ -722,3 +723,20 @@ def test_moe_routing_replay_trains_and_logs_routing_metrics(tmp_path):
     assert m["moe/expert_load_worst_layer"] >= m["moe/expert_load"] >= 1.0, m
     assert 0.5 < m["moe/aux_loss"] < 2.0, m  # 1 at perfect balance (4 experts, top-2: at most 2)
     assert "moe/rollout_agreement" not in m
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 NVIDIA GPUs (vLLM returns routing only from its "
+                    "Model Runner V2, on a GPU; one training rank per GPU)")
+def test_r3_on_two_ranks_trains_on_the_routing_each_rank_fetched(tmp_path):
+    """A tiny Qwen3-MoE on 2 ranks (EP=2 x DP=2) with R3 and one replica: rank 0 keeps its responses'
+    routing and each rank fetches the rows it trains (review finding R5); the update replays it on
+    both, and the trainer's own router agrees with the engine's on most (token, layer) pairs."""
+    run = tmp_path / "moe_r3"
+    rc, out = train(run, "model.tiny=qwen3_moe", "parallel.expert_model_parallel_size=2", "moe.routing_replay=r3",
+                    "rollout.replicas=1", "trainer.sft_warmup_steps=0", "trainer.iterations=1",
+                    "trainer.prompts_per_iteration=8", "trainer.max_tokens_per_micro_batch=120",
+                    "trainer.eval_interval=0", nproc=2)
+    assert rc == 0, out[-6000:]
+    (m,) = metrics(run)
+    assert m["moe/replayed_frac"] == 1.0 and m["moe/rollout_agreement"] > 0.9, m

@@ -8,7 +8,9 @@ waiting.
 
 - Generation: the prompts of a call are split over the replicas in whole groups (the ``n``
   samples of a prompt stay together), balanced by expected tokens (prompt length plus the mean
-  response length seen so far), and the completions are gathered in prompt order on every rank.
+  response length seen so far), and the completions are gathered in prompt order on every rank,
+  except their engine routing (MoE, R3): that stays with the leader that generated it until
+  :meth:`fetch_routing` brings each rank the rows it trains (:mod:`~megatron_alp.rollout.held_routing`).
   With per-sample seeds (``SamplingParams.seed``, on by default on the CPU) a sample depends only
   on (seed, prompt index, sample index), so the rollouts are the same for any number of replicas.
 - Failures: each engine retries and restarts itself (``rollout.max_retries``). A replica whose
@@ -76,6 +78,7 @@ from megatron_alp.rollout.base import (
     resolve_max_model_len,
     tensor_pairs,
 )
+from megatron_alp.rollout.held_routing import fetch, hold
 from megatron_alp.rollout.placement import Placement, ReplicaLayout, engine_placement, replica_layout
 from megatron_alp.rollout.producer import RolloutProducer
 from megatron_alp.rollout.weight_sync import WeightStream, default_verify_tolerance
@@ -335,6 +338,8 @@ class DistributedRollout:
             if self.replica in todo:
                 job = self._share_job(batch, todo[self.replica])
                 outcome, own = self._outcome(pending.result if pending is not None else lambda: self._run(job))
+                if self.multi and outcome[0] == "ok":
+                    hold(outcome[1][1][1], self.rank)  # the engine routing stays here until fetch_routing
             pending = None
             outcomes = self._gather(outcome)
             self._check([payload if status == "error" else None for status, payload in outcomes],
@@ -377,6 +382,13 @@ class DistributedRollout:
         if lengths:
             self._response_len = sum(lengths) / len(lengths)
         return batch
+
+    def fetch_routing(self, items: list) -> None:
+        """Collective: the engine routing of ``items`` (trajectories this rank trains), which the replica
+        leaders kept back from the gathers of :meth:`collect` (:mod:`~megatron_alp.rollout.held_routing`),
+        onto this rank, in place."""
+        if self.multi:
+            fetch(items, self.group)
 
     def take_stats(self) -> dict:
         """``rollout/*`` statistics of the generate calls since the last call: replicas, tokens/s of

@@ -947,14 +947,19 @@ def _engine_host_note(cfg: Config, lay: Layout, engine_weights: int) -> tuple[st
 
 
 def _routing_note(cfg: Config, arch: Architecture, lay: Layout, responses: int, seq: int) -> tuple[str, ...]:
-    """Routing replay's host buffers: the engine's experts of the whole batch on every rank (R3; the
-    batch is built everywhere), the old-policy pass's of this rank's share (R2, and R3's update pass),
-    ``[sequences, s, layers, k]`` in 1 byte per expert id up to 256 experts, else 2."""
+    """Routing replay's host buffers on the fullest rank, ``[sequences, s, layers, k]`` in 1 byte per
+    expert id up to 256 experts, else 2: the old-policy pass's experts of the rank's share (R2, and
+    R3's update pass); under R3 also the engine's of the share, fetched and then laid out dense (two
+    copies), and on a replica leader the engine's of its replica's responses, held there until the
+    ranks that train them fetched them (:mod:`~megatron_alp.rollout.held_routing`)."""
     replay = cfg.moe.routing_replay
     if not arch.experts or replay == "none":
         return ()
     per_sequence = seq * arch.layers * arch.topk * (1 if arch.experts <= 256 else 2)
-    host = responses * per_sequence * (replay == "r3") + responses // lay.dp * per_sequence
+    share = responses // lay.dp
+    host = share * per_sequence
+    if replay == "r3":
+        host += (2 * share + math.ceil(responses / lay.replicas)) * per_sequence
     return (f"routing replay ({replay}): {_gib(host)} GiB of host memory per rank for the expert ids "
             "(the micro-batch's slice goes to the GPU)",)
 

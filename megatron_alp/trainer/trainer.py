@@ -30,6 +30,7 @@ from megatron.core import parallel_state as ps
 
 from megatron_alp.algorithms.policy_loss import needs_old_logprobs, needs_ref_logprobs
 from megatron_alp.batches.evaluation import Validation
+from megatron_alp.batches.local_share import local_share
 from megatron_alp.batches.sampling import VALIDATION_STREAM, sample_seed
 from megatron_alp.batches.scoring import Scorer
 from megatron_alp.batches.sources import build_batch_source
@@ -99,7 +100,7 @@ from megatron_alp.training.policy_update import (
     probe_mismatch,
     train_mini_batch,
 )
-from megatron_alp.training.rl_batch import check_batch_layout, data_parallel_split, mini_batches, training_batch
+from megatron_alp.training.rl_batch import check_batch_layout, mini_batches
 from megatron_alp.training.routing_replay import RoutingPlan, routing_metrics
 from megatron_alp.training.step_metrics import StepMetrics
 
@@ -284,15 +285,15 @@ class RLTrainer:
         m.update(memory_in_use("rollout"))
         m.update(self.rollout.take_stats())
         m.update(staleness_metrics(groups.trajectories, self.iteration, cfg.rollout.partial_rollout))
-        batch, truncated = training_batch(cfg, groups.trajectories, groups.rewards, self.pad_id)
-        local, sizes, balance = data_parallel_split(batch, cfg.trainer, self.args.transformer["hidden_size"],
-                                                    ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
-        m.update(balance)
+        share = local_share(cfg, groups, self.rollout, self.pad_id, self.args.transformer["hidden_size"],
+                            probe=layer_probe_due(cfg.perturbation, self.iteration))
+        batch, local, sizes = share.batch, share.local, share.sizes
+        m.update(share.balance)
         divergence = None  # sigma per layer (perturbation.calibration_mode: per_layer) needs the engine awake
-        if layer_probe_due(cfg.perturbation, self.iteration):
+        if share.probe is not None:
             self.phases.enter("layer_probe")
             with timed(m, "layer_probe"):
-                divergence = layer_input_divergence(self.policy, self.rollout, batch, self.routing.update.replay)
+                divergence = layer_input_divergence(self.policy, self.rollout, share.probe, self.routing.update.replay)
         self.phases.enter("logprob")
         with peak_memory(m, "logprob"):
             self._logprob_passes(local, m, divergence)
@@ -306,7 +307,7 @@ class RLTrainer:
         m["timing/total_s"] = time.time() - t_start
 
         out = from_last_stage({"step": self.step, **mean_dicts(loss_metrics)})
-        out.update(batch_metrics(cfg, groups, truncated))
+        out.update(batch_metrics(cfg, groups, share.truncated))
         out.update(data_metrics(self.batches.resume_state()))
         out.update(update_metrics(step_stats))
         out.update(learning_rates(self.optimizer))

@@ -19,6 +19,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from megatron_alp.algorithms.advantages import group_advantages
@@ -74,8 +75,10 @@ class RLBatch:
         })
 
 
-def build_rl_batch(trajectories: list[Trajectory], advantages: torch.Tensor, pad_id: int) -> RLBatch:
-    """Pack trajectories into one right-padded, target-aligned batch."""
+def build_rl_batch(trajectories: list[Trajectory], advantages: torch.Tensor, pad_id: int, routing: bool = True
+                   ) -> RLBatch:
+    """Pack trajectories into one right-padded, target-aligned batch; with ``routing``, their engine
+    routing too (:func:`engine_routing`)."""
     n = len(trajectories)
     lengths = torch.tensor([len(t.prompt_ids) + len(t.response_ids) for t in trajectories], dtype=torch.long)
     width = int(lengths.max().item()) if n else 1
@@ -94,7 +97,7 @@ def build_rl_batch(trajectories: list[Trajectory], advantages: torch.Tensor, pad
     targets = torch.nn.functional.pad(tokens[:, 1:], (0, 1), value=pad_id)
     rollout = rollout * mask
     return RLBatch(tokens, targets, mask, rollout, advantages.float().reshape(n), lengths,
-                   rollout_routing=engine_routing(trajectories, width))
+                   rollout_routing=engine_routing(trajectories, width) if routing else None)
 
 
 def engine_routing(trajectories: list[Trajectory], width: int) -> Optional[torch.Tensor]:
@@ -103,6 +106,10 @@ def engine_routing(trajectories: list[Trajectory], width: int) -> Optional[torch
     given = [t.routed_experts is not None for t in trajectories]
     if not any(given):
         return None
+    held = [i for i, t in enumerate(trajectories) if given[i] and not isinstance(t.routed_experts, np.ndarray)]
+    if held:
+        raise ValueError(f"trajectory {held[0]}: its engine routing is still held by the rollout side "
+                         f"({trajectories[held[0]].routed_experts!r}): fetch it first (DistributedRollout.fetch_routing)")
     if not all(given):
         raise ValueError(f"trajectory {given.index(False)} carries no engine routing while others do "
                          "(rollout.return_routed_experts)")
@@ -158,13 +165,14 @@ def mini_batches(batch: RLBatch, sizes: Sequence[int]) -> list[RLBatch]:
     return [batch.select(slice(a, b)) for a, b in zip(bounds, bounds[1:])]
 
 
-def training_batch(cfg: Config, trajectories: list[Trajectory], rewards: torch.Tensor, pad_id: int
-                   ) -> tuple[RLBatch, torch.Tensor]:
+def training_batch(cfg: Config, trajectories: list[Trajectory], rewards: torch.Tensor, pad_id: int,
+                   routing: bool = True) -> tuple[RLBatch, torch.Tensor]:
     """The RL batch of scored trajectories (``rollout.sampling.n`` per prompt) as the config asks:
     GRPO advantages (``advantage``), and with ``loss.mask_truncated`` the responses cut by the length
-    limit out of the loss. Returns the batch and which responses were truncated (bool ``[N]``)."""
+    limit out of the loss. Returns the batch and which responses were truncated (bool ``[N]``).
+    ``routing``: with the engine routing (:func:`build_rl_batch`)."""
     advantages = group_advantages(rewards, cfg.rollout.sampling.n, cfg.advantage.norm_by_std, cfg.advantage.eps)
-    batch = build_rl_batch(trajectories, advantages, pad_id)
+    batch = build_rl_batch(trajectories, advantages, pad_id, routing)
     truncated = torch.tensor([t.finish_reason == "length" for t in trajectories])
     if cfg.loss.mask_truncated:
         exclude_from_loss(batch, truncated)
@@ -182,15 +190,16 @@ def check_batch_layout(trainer: TrainerConfig, n: int, dp_size: int) -> None:
 
 
 def data_parallel_split(batch: RLBatch, trainer: TrainerConfig, hidden_size: int, dp_size: int, dp_rank: int
-                        ) -> tuple[RLBatch, list[int], dict]:
-    """This data-parallel rank's rows and their mini-batch sizes, and the imbalance of the split
-    (max / mean estimated cost per rank, worst mini-batch) with and without balancing
-    (``trainer.balance_data_parallel``)."""
+                        ) -> tuple[RLBatch, list[int], list[int], dict]:
+    """This data-parallel rank's rows, their indices in ``batch`` and their mini-batch sizes, and the
+    imbalance of the split (max / mean estimated cost per rank, worst mini-batch) with and without
+    balancing (``trainer.balance_data_parallel``)."""
     costs = [sequence_cost(n, hidden_size) for n in batch.lengths.tolist()]
     split = {balanced: dp_assignment(len(batch), dp_size, trainer.updates_per_iteration, costs if balanced else None)
              for balanced in {False, trainer.balance_data_parallel}}
     worst = {b: max(imbalance([sum(costs[i] for i in rows) for rows in part]) for part in a)
              for b, a in split.items()}
     local, sizes = dp_shard(batch, split[trainer.balance_data_parallel], dp_rank)
-    return local, sizes, {"batch/dp_imbalance": worst[trainer.balance_data_parallel],
+    rows = [i for part in split[trainer.balance_data_parallel] for i in part[dp_rank]]
+    return local, rows, sizes, {"batch/dp_imbalance": worst[trainer.balance_data_parallel],
                           "batch/dp_imbalance_unbalanced": worst[False]}
