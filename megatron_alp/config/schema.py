@@ -789,6 +789,13 @@ class SandboxConfig(_Section):
         "quota (never as uid 0) and can read the machine's files, reach local services and, unless the "
         "trainer runs as root, signal the trainer's processes.",
     )
+    allow_no_memory_cgroup: bool = Field(
+        False,
+        description="Run fully isolated executions where no memory cgroup can be made for them (cgroup v2 "
+        "without the memory controller delegated, cgroup v1 read-only), instead of refusing to start. Kernel "
+        "memory is then bounded only by refusing what pins it (Unix sockets, System V semaphores, memfd): "
+        "see docs/sandbox.md for what each mode bounds.",
+    )
 
 
 TIR_SYSTEM_PROMPT = (

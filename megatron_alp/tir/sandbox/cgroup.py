@@ -1,16 +1,21 @@
-"""One memory cgroup per execution: the bound on everything an execution can pin in memory.
+"""A memory cgroup for each execution: the bound on everything an execution can pin in memory.
 
 ``RLIMIT_AS`` bounds one process's address space, not pages that outlive a mapping: System V shared
 memory after ``shmdt``, ``memfd`` and tmpfs files, kernel objects. A memory cgroup charges all of
-them to the execution that touched them. Each execution gets its own group under a directory this
-executor makes in its own cgroup, with ``memory_mb + disk_mb`` of memory, no swap and a process
-count; the executor moves the execution's first process into it before handing it the code, so
-everything the code does is charged there.
+them to the execution that touched them. Each worker slot of the executor gets its own group under a
+directory the executor makes in its own cgroup, with ``memory_mb + disk_mb`` of memory, no swap
+(where the kernel accounts swap) and a process count; the executor moves each execution's first
+process into its slot's group before handing it the code, so everything the code does is charged
+there. One execution runs in a slot at a time, and a slot's group lives as long as the executor: a
+group made and removed per execution would stay in the kernel, dying but not dead, for as long as
+the page cache of host files that execution read first stays charged to it.
 
-cgroup v2 needs the memory controller delegated to this process's cgroup (``memory`` in its
-``cgroup.subtree_control``, or enabling it there works); cgroup v1 needs a writable ``memory``
-hierarchy (and uses the ``pids`` hierarchy where one is writable). Where neither is, the executor
-uses the weaker mechanism that ``docs/sandbox.md`` describes, and says so in its start-up line.
+cgroup v2 needs the memory controller available to this process's cgroup (``memory`` in its
+``cgroup.controllers``) and the cgroup writable: :func:`delegate` enables it for the children, moving
+the cgroup's processes into a leaf first where the kernel requires it; cgroup v1 needs a writable
+``memory`` hierarchy (and uses the ``pids`` hierarchy where one is writable). Where neither is, the
+executor refuses full isolation unless ``tir.sandbox.allow_no_memory_cgroup`` accepts the weaker
+bound that ``docs/sandbox.md`` describes, and says which holds in its start-up line.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import time
 from typing import Optional
 
 _RMDIR_TIMEOUT_S = 5.0
+TRAINER_LEAF = "alp-trainer"  # cgroup v2: where the processes of the trainer's cgroup move (:func:`delegate`)
 _ids = itertools.count()
 
 
@@ -64,6 +70,36 @@ def _write(path: str, value: str) -> None:
         f.write(value)
 
 
+def delegate(base: str) -> None:
+    """Enable the memory and pids controllers for the children of ``base`` (cgroup v2). The kernel
+    refuses that while ``base`` holds processes of its own (the no-internal-process rule), as where the
+    trainer runs in a container's or a job's own cgroup: then every process of ``base`` (the trainer's,
+    and whatever else runs there) first moves into a leaf, ``base/alp-trainer``, and the executors'
+    groups become its siblings."""
+    control = os.path.join(base, "cgroup.subtree_control")
+    with open(control) as f:
+        enabled = f.read().split()
+    missing = [c for c in ("memory", "pids") if c not in enabled]
+    for attempt in range(3):  # a process may be started in ``base`` meanwhile
+        if not missing:
+            return
+        try:
+            _write(control, " ".join("+" + c for c in missing))
+            return
+        except OSError as err:
+            if err.errno != errno.EBUSY or attempt == 2:
+                raise
+        leaf = os.path.join(base, TRAINER_LEAF)
+        os.makedirs(leaf, exist_ok=True)
+        with open(os.path.join(base, "cgroup.procs")) as f:
+            pids = f.read().split()
+        for pid in pids:
+            try:
+                _write(os.path.join(leaf, "cgroup.procs"), pid)
+            except ProcessLookupError:
+                pass  # it has exited
+
+
 def _make_parent(directory: str) -> str:
     """This executor's directory; first removes those of executors whose process died (killed,
     it could not remove them)."""
@@ -86,6 +122,15 @@ class ExecutionCgroups:
     def __init__(self, version: str, parents: dict[str, str]):
         self.version = version  # "v2" or "v1"
         self.parents = parents  # hierarchy ("v2", "memory", "pids") -> this executor's directory
+        self.groups: list[ExecutionGroup] = []
+        accounting = "memory.swap.max" if version == "v2" else "memory.memsw.limit_in_bytes"
+        self.swap_bounded = os.path.exists(os.path.join(parents["v2" if version == "v2" else "memory"], accounting))
+
+    def swap(self) -> str:
+        """What the groups bound of swap, for the start-up line."""
+        if self.swap_bounded or not _swap_on():
+            return "no swap"
+        return "swap NOT bounded (this kernel does not account swap to cgroups: boot with swapaccount=1 or turn swap off)"
 
     @classmethod
     def find(cls) -> tuple[Optional["ExecutionCgroups"], str]:
@@ -97,12 +142,10 @@ class ExecutionCgroups:
         reasons = []
         if "v2" in mounts and "v2" in own:
             base = _directory(mounts["v2"], own["v2"])
+            if os.path.basename(base) == TRAINER_LEAF:  # moved there by an executor before
+                base = os.path.dirname(base)
             try:
-                with open(os.path.join(base, "cgroup.subtree_control")) as f:
-                    enabled = f.read().split()
-                missing = [c for c in ("memory", "pids") if c not in enabled]
-                if missing:
-                    _write(os.path.join(base, "cgroup.subtree_control"), " ".join("+" + c for c in missing))
+                delegate(base)
                 parent = _make_parent(base)
                 _write(os.path.join(parent, "cgroup.subtree_control"), "+memory +pids")
                 return cls("v2", {"v2": parent}), f"cgroup v2 under {base}"
@@ -124,6 +167,7 @@ class ExecutionCgroups:
         return None, "; ".join(reasons) or "no cgroup hierarchy with a memory controller"
 
     def create(self, memory_bytes: int, max_tasks: int) -> "ExecutionGroup":
+        """A worker slot's group, removed by :meth:`close`."""
         name = f"exec-{next(_ids)}"
         dirs = {h: os.path.join(parent, name) for h, parent in self.parents.items()}
         group = ExecutionGroup(self.version, dirs)
@@ -133,21 +177,25 @@ class ExecutionCgroups:
             if self.version == "v2":
                 d = dirs["v2"]
                 _write(os.path.join(d, "memory.max"), str(memory_bytes))
-                _write(os.path.join(d, "memory.swap.max"), "0")
+                if self.swap_bounded:
+                    _write(os.path.join(d, "memory.swap.max"), "0")
                 _write(os.path.join(d, "pids.max"), str(max_tasks))
             else:
                 d = dirs["memory"]
                 _write(os.path.join(d, "memory.limit_in_bytes"), str(memory_bytes))
-                if os.path.exists(os.path.join(d, "memory.memsw.limit_in_bytes")):
+                if self.swap_bounded:
                     _write(os.path.join(d, "memory.memsw.limit_in_bytes"), str(memory_bytes))
                 if "pids" in dirs:
                     _write(os.path.join(dirs["pids"], "pids.max"), str(max_tasks))
         except BaseException:
             group.remove()
             raise
+        self.groups.append(group)
         return group
 
     def close(self) -> None:
+        for group in self.groups:
+            group.remove()
         for parent in self.parents.values():
             _rmdir(parent)
 
@@ -162,20 +210,41 @@ class ExecutionGroup:
         for d in self.dirs.values():
             _write(os.path.join(d, "cgroup.procs"), str(pid))
 
-    def oom_killed(self) -> bool:
-        """Whether the kernel killed a process of this group for memory."""
+    def busy(self) -> bool:
+        """Whether tasks still count in the group: a process of an execution killed from outside may
+        stay a zombie, re-parented to the host's init, for as long as that init does not reap it."""
+        d = self.dirs.get("v2") or self.dirs.get("pids")
+        try:
+            if d is not None:
+                with open(os.path.join(d, "pids.current")) as f:
+                    return int(f.read()) > 0
+            with open(os.path.join(self.dirs["memory"], "cgroup.procs")) as f:
+                return bool(f.read().strip())
+        except (OSError, ValueError):
+            return False
+
+    def oom_kills(self) -> int:
+        """How many processes of this group the kernel has killed for memory, ever."""
         d = self.dirs.get("v2") or self.dirs["memory"]
         name = "memory.events" if self.version == "v2" else "memory.oom_control"
         try:
             with open(os.path.join(d, name)) as f:
                 fields = dict(line.split() for line in f if line.strip())
         except OSError:
-            return False
-        return int(fields.get("oom_kill", 0)) > 0
+            return 0
+        return int(fields.get("oom_kill", 0))
 
     def remove(self) -> None:
         for d in self.dirs.values():
             _rmdir(d)
+
+
+def _swap_on() -> bool:
+    try:
+        with open("/proc/swaps") as f:
+            return len(f.read().splitlines()) > 1
+    except OSError:
+        return False
 
 
 def _rmdir(path: str) -> None:

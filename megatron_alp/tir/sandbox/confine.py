@@ -1,9 +1,11 @@
 """The confinement program: a fresh interpreter runs it for every execution (the executor,
-:mod:`.executor`, starts ``python -I -S`` and hands it this program, compiled, then a JSON spec
-and the code on stdin). It confines itself, then runs the code like a notebook cell.
+:mod:`.executor`, starts ``python -I -S`` and hands it this program, compiled, then a spec
+(marshalled, after its length) and the code on stdin). It confines itself, checks that it has every protection the executor's
+start-up probe had, then execs another fresh interpreter that runs the code like a notebook cell
+(:mod:`.cell`), so that the code's process never held the spec or anything of the set-up.
 
-Standard library only, and no ``site`` until confined (site-packages, and the ``.pth`` files in
-them, are loaded by the confined worker), so nothing from the environment runs with the
+Standard library only, and no ``site`` (site-packages, and the ``.pth`` files in them, are loaded by
+the interpreter that runs the code, confined), so nothing from the environment runs with the
 privileges the set-up needs.
 
 Isolated mode, as processes:
@@ -19,22 +21,23 @@ Isolated mode, as processes:
   the namespace;
 * the worker starts a session of its own (``kill(0, ...)`` reaches only the code's processes),
   drops to an unprivileged uid without capabilities, sets ``no_new_privs`` and resource limits,
-  loads the seccomp filter (:mod:`.syscall_filter`) and runs the code.
+  loads the seccomp filter (:mod:`.syscall_filter`) and execs the interpreter that runs the code
+  (all of these hold across the exec).
 
 Each process is killed when its parent dies (``PR_SET_PDEATHSIG``), so killing the trainer
 takes every execution with it. In unsafe mode the started process is the worker itself (already
 switched to an unprivileged uid by the executor when the trainer is root).
 
-Status lines (JSON) go to the status descriptor: ``init`` (its pid, from the outer process),
-``protections`` (the worker, once confined, before the code runs and after which it closes the
-descriptor), ``exit`` (init: the worker's exit status) or ``setup_error`` with ``missing`` (the
+Status lines (Python literals) go to the status descriptor: ``init`` (its pid, from the outer process),
+``protections`` (the worker, once confined, before the code runs; the descriptor closes on the
+exec), ``exit`` (init: the worker's exit status) or ``setup_error`` with ``missing`` (the
 capability that failed).
 """
 
 from __future__ import annotations
 
 import ctypes
-import json
+import marshal
 import os
 import signal
 import sys
@@ -58,8 +61,14 @@ _SYSCALLS = {"x86_64": {"pivot_root": 155, "capset": 126}, "aarch64": {"pivot_ro
 # /proc entries that show kernel-wide state (keyrings of every uid, kernel memory, timers) or
 # that write to the kernel: hidden behind /dev/null or an empty read-only tmpfs, or made read-only.
 _MASKED_FILES = ("keys", "key-users", "kcore", "kallsyms", "timer_list", "sched_debug", "latency_stats",
-                 "sysrq-trigger", "kmsg")
-_MASKED_DIRS = ("acpi", "scsi", "asound")
+                 "sysrq-trigger", "kmsg", "cmdline")
+_MASKED_DIRS = ("acpi", "scsi", "asound", "pressure")
+# What the code sees instead of files that identify the host or show what else runs on it: in /etc
+# (replaced where the host has them) and in /proc (a new boot id per execution, no load).
+_OWN_ETC = {"hostname": "sandbox\n", "hosts": "127.0.0.1\tlocalhost\n::1\tlocalhost\n127.0.1.1\tsandbox\n",
+            "resolv.conf": "", "machine-id": None}
+_OWN_PROC = {"loadavg": "0.00 0.00 0.00 1/1 1\n", "sys/kernel/random/boot_id": None}
+_DEVICES = ("null", "zero", "full", "random", "urandom")
 _READ_ONLY_DIRS = ("sys", "irq", "bus", "fs")
 
 
@@ -124,7 +133,9 @@ def _remount_submounts_read_only(targets: list[str]) -> None:
 
 
 def report(status_fd: int, **message) -> None:
-    os.write(status_fd, (json.dumps(message) + "\n").encode())
+    """A status line: the message as a Python literal (``repr``; no ``json``, which would import ``re``
+    in every execution), read back with ``ast.literal_eval``."""
+    os.write(status_fd, (repr(message) + "\n").encode())
 
 
 def _die_with_parent(parent_alive) -> None:
@@ -177,15 +188,20 @@ def _build_root(spec: dict) -> list[str]:
     _remount_submounts_read_only(targets)
     active = ["private_proc", "private_tmpfs", "disk_quota"]
     if spec["venv"]:
-        active += _mount_venv(root, *spec["venv"], spec["venv_masks"])
+        active += _mount_venv(root, *spec["venv"], spec["venv_masks"], spec["venv_links"])
     os.makedirs(root + "/dev")
-    for dev in ("null", "zero", "full", "random", "urandom"):
+    for dev in _DEVICES:  # read-only binds: nothing about the host's nodes (times, modes) can change
         if os.path.exists("/dev/" + dev):
             open(root + "/dev/" + dev, "w").close()
             _mount("/dev/" + dev, root + "/dev/" + dev, None, _MS_BIND)
+            _mount(None, root + "/dev/" + dev, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NOEXEC
+                   | (_kept_flags(root + "/dev/" + dev) & ~_MS_NODEV))
     os.makedirs(root + "/proc")
     _mount("proc", root + "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
     _mask_proc(root)
+    for name, text in _OWN_ETC.items():  # a link (to /run, say) dangles inside: nothing to cover
+        if os.path.isfile(root + "/etc/" + name) and not os.path.islink(root + "/etc/" + name):
+            _cover(root, root + "/etc/" + name, text)
     os.makedirs(root + SANDBOX_DIR)
     owner = spec["uid"] if spec["uid"] is not None else os.getuid()
     size = (f"size={spec['disk_mb']}m,nr_inodes={spec['disk_mb'] * 256},mode=700,"
@@ -204,11 +220,12 @@ def _build_root(spec: dict) -> list[str]:
     return active
 
 
-def _mount_venv(root: str, host: str, neutral: str, masks: dict) -> list[str]:
+def _mount_venv(root: str, host: str, neutral: str, masks: dict, links: dict) -> list[str]:
     """The virtual environment, read-only at ``neutral``: through an overlay whose only layer
     is a bind that is detached at once, so /proc/self/mountinfo names neither the host path nor
     the directory holding it (a bind's mount root would); a plain bind where overlays are not
-    available. Files that name those paths are replaced by ``masks``."""
+    available. Files that name those paths are replaced by ``masks``, and its ``bin`` (scripts
+    whose first line names the host path, ``activate``) by the interpreter's ``links`` alone."""
     lower, target = root + "/.lower", root + neutral
     os.makedirs(lower + "/venv")
     os.makedirs(lower + "/empty")
@@ -228,7 +245,22 @@ def _mount_venv(root: str, host: str, neutral: str, masks: dict) -> list[str]:
             f.write(text)
         _mount(replacement, f"{target}/{relative}", None, _MS_BIND)
         _mount(None, f"{target}/{relative}", None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
+    if os.path.isdir(target + "/bin"):
+        _mount("tmpfs", target + "/bin", "tmpfs", _MS_NOSUID | _MS_NODEV, "size=16k,nr_inodes=64,mode=755")
+        for name, link in links.items():
+            os.symlink(link, f"{target}/bin/{name}")
+        _mount(None, target + "/bin", None, _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
     return active
+
+
+def _cover(root: str, target: str, text) -> None:
+    """Bind a read-only file of ``text`` (None: a new random id) over ``target``."""
+    os.makedirs(root + "/.own", exist_ok=True)
+    source = f"{root}/.own/{len(os.listdir(root + '/.own'))}"
+    with open(source, "w") as f:
+        f.write(os.urandom(16).hex() + "\n" if text is None else text)
+    _mount(source, target, None, _MS_BIND)
+    _mount(None, target, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
 
 
 def _mask_proc(root: str) -> None:
@@ -236,6 +268,9 @@ def _mask_proc(root: str) -> None:
     for name in _MASKED_FILES:
         if os.path.isfile(proc + name):
             _mount(root + "/dev/null", proc + name, None, _MS_BIND)
+    for name, text in _OWN_PROC.items():
+        if os.path.isfile(proc + name):
+            _cover(root, proc + name, text)
     for name in _MASKED_DIRS:
         if os.path.isdir(proc + name):
             _mount("tmpfs", proc + name, "tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "size=4k")
@@ -348,7 +383,9 @@ def _user_task_count() -> int:
 
 def _set_limits(spec: dict) -> list[str]:
     """CPU, address space, file size, open files, core dumps, processes; and no locked memory or
-    real-time priority, whatever the trainer's limits allow."""
+    real-time priority, whatever the trainer's limits allow. Core dumps: a limit of 1, not 0, which
+    the kernel also reads as "no core" for a ``core_pattern`` that pipes to a helper (that helper would
+    run as root on the host)."""
     import math
     import resource
 
@@ -362,7 +399,7 @@ def _set_limits(spec: dict) -> list[str]:
     else:  # unsafe mode, the trainer's own uid: what it runs now plus the budget
         nproc = _user_task_count() + spec["nproc"]
     for limit, value in ((resource.RLIMIT_CPU, (cpu, cpu + 1)), (resource.RLIMIT_AS, (memory, memory)),
-                         (resource.RLIMIT_FSIZE, (fsize, fsize)), (resource.RLIMIT_CORE, (0, 0)),
+                         (resource.RLIMIT_FSIZE, (fsize, fsize)), (resource.RLIMIT_CORE, (1, 1)),
                          (resource.RLIMIT_NOFILE, (256, 256)), (resource.RLIMIT_NPROC, (nproc, nproc)),
                          (resource.RLIMIT_MEMLOCK, (0, 0)), (resource.RLIMIT_RTPRIO, (0, 0))):
         resource.setrlimit(limit, value)
@@ -438,42 +475,6 @@ def _confine(spec: dict, status_fd: int) -> list[str]:
     return active
 
 
-def _run_code(code: str) -> int:
-    """Execute like a notebook cell; print a traceback without this program's frames on error."""
-    import ast
-    import linecache
-    import traceback
-
-    own_file = _run_code.__code__.co_filename
-    linecache.cache["<code>"] = (len(code), None, code.splitlines(keepends=True), "<code>")
-    scope = {"__name__": "__main__", "__builtins__": __builtins__}
-    try:
-        tree = ast.parse(code, "<code>")
-        last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-        exec(compile(tree, "<code>", "exec"), scope)
-        if last is not None:
-            value = eval(compile(ast.Expression(last.value), "<code>", "eval"), scope)
-            if value is not None:
-                print(repr(value))
-        return 0
-    except SystemExit as e:
-        if e.code is None or isinstance(e.code, int):
-            return e.code or 0
-        print(e.code)
-        return 1
-    except BaseException as e:  # noqa: BLE001 - the code's own errors are its output
-        tb = traceback.TracebackException(type(e), e, e.__traceback__)
-        tb.stack = traceback.StackSummary.from_list([f for f in tb.stack if f.filename != own_file])
-        sys.stdout.flush()
-        print("".join(tb.format()), end="", file=sys.stdout)
-        return 1
-    finally:
-        try:
-            sys.stdout.flush()
-        except Exception:  # noqa: BLE001
-            pass
-
-
 def _reset_signals() -> None:
     """Signals as a fresh interpreter has them, whatever the trainer blocked or ignored (both are
     inherited across exec)."""
@@ -485,30 +486,50 @@ def _reset_signals() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def _code_descriptor(data: bytes) -> int:
+    """A memfd holding ``data`` (the cell program and the code) for the interpreter that runs the
+    code (made before the filter, which refuses memfd_create where no memory cgroup counts it; its
+    pages are the execution's)."""
+    fd = os.memfd_create("code", 0)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
 def main() -> None:
     _reset_signals()
-    spec = json.loads(sys.stdin.buffer.readline())
-    code = sys.stdin.buffer.read().decode("utf-8", "surrogatepass")
+    spec = marshal.loads(sys.stdin.buffer.read(int.from_bytes(sys.stdin.buffer.read(4), "little")))
+    code = sys.stdin.buffer.read()
     devnull = os.open("/dev/null", os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
     status_fd = spec["status_fd"]
     try:
         _die_with_parent(lambda: os.getppid() == spec["parent"])
+        cell = bytes.fromhex(spec["cell"])
+        code_fd = _code_descriptor(cell + code)
         protections = _confine(spec, status_fd)
-        import site  # the environment's packages, now that nothing they run can leave the sandbox
-
-        sys.executable = spec["executable"]  # where site finds the virtual environment, and children start
-        site.main()
+        missing = sorted(set(spec["required"]) - set(protections))
+        if missing:
+            raise SetupError("the protections of the start-up probe",
+                             OSError(0, f"this execution lacks {', '.join(missing)}: it does not run"))
     except SetupError as err:
         report(status_fd, setup_error=str(err), missing=err.missing)
         os._exit(EXIT_SETUP_FAILED)
     except Exception as err:  # noqa: BLE001 - reported to the executor, which refuses to run code
         report(status_fd, setup_error=f"{type(err).__name__}: {err}", missing="the sandbox set-up")
         os._exit(EXIT_SETUP_FAILED)
+    os.set_inheritable(status_fd, False)
     report(status_fd, protections=protections)
-    os.close(status_fd)
-    sys.exit(_run_code(code))
+    # a fresh interpreter runs the code: nothing of this one (the spec, the set-up) reaches it
+    bootstrap = f"import marshal,os,sys;exec(marshal.loads(os.read(int(sys.argv[1]),{len(cell)}))){spec['marker']}"
+    try:
+        os.execv(spec["executable"], [spec["executable"], "-I", "-u", "-c", bootstrap, str(code_fd)])
+    except OSError as err:
+        report(status_fd, setup_error=f"starting the interpreter {spec['executable']}: {err}", missing="an interpreter")
+        os._exit(EXIT_SETUP_FAILED)
 
 
 if __name__ == "__main__":

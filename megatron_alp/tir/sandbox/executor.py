@@ -9,8 +9,8 @@ for the unsafe mode (see ``docs/sandbox.md`` for what each mode guarantees).
 
 from __future__ import annotations
 
+import ast
 import fcntl
-import json
 import logging
 import marshal
 import os
@@ -29,7 +29,7 @@ from queue import SimpleQueue
 from typing import TYPE_CHECKING, Optional
 
 from megatron_alp.config import InputError
-from megatron_alp.tir.sandbox.cgroup import ExecutionCgroups
+from megatron_alp.tir.sandbox.cgroup import ExecutionCgroups, ExecutionGroup
 from megatron_alp.tir.sandbox.cleanup import remove_tree
 from megatron_alp.tir.sandbox.syscall_filter import compile_filter
 
@@ -45,6 +45,7 @@ OUTPUT_KILL_FACTOR = 64
 # The start-up probe's wall-clock limit: a loaded machine must not look like one without isolation.
 PROBE_WALL_TIME_S = 60.0
 CLEANUP_TIMEOUT_S = 10.0
+BUSY_GROUP_WAIT_S = 0.2
 STOP_TIMEOUT_S = 5.0
 # Every isolated execution has all of these; an executor that cannot provide them does not start.
 ISOLATED_PROTECTIONS = frozenset({
@@ -73,6 +74,9 @@ _CHILD_ENV = {
 # The command line ends with a marker that tells what the process is (``ps``).
 _PROGRAM = marshal.dumps(compile(Path(__file__).with_name("confine.py").read_bytes(), "<sandbox>", "exec"))
 COMMAND_MARKER = "#megatron-alp-sandbox"
+# The program of the interpreter that runs the code (:mod:`.cell`), compiled here once; it travels
+# ahead of the code in the descriptor that interpreter reads.
+_CELL = marshal.dumps(compile(Path(__file__).with_name("cell.py").read_bytes(), "<cell>", "exec"))
 _BOOTSTRAP = f"import marshal,sys;exec(marshal.loads(sys.stdin.buffer.read({len(_PROGRAM)}))){COMMAND_MARKER}"
 
 
@@ -191,6 +195,7 @@ class SandboxExecutor:
         self.setup_notes: list[str] = []
         self.protections: frozenset[str] = frozenset()
         self._cgroups: Optional[ExecutionCgroups] = None
+        self._groups: list = []  # each worker slot's cgroups (ExecutionGroup), with a memory cgroup
         self.memory_bound = ""
         self.startup_line = ""
         try:
@@ -209,11 +214,14 @@ class SandboxExecutor:
             where = "switched off"
         if self._cgroups is not None:
             self._finalizers.append(weakref.finalize(self, self._cgroups.close))
+            self._groups = [self._cgroups.create((cfg.memory_mb + cfg.disk_mb) << 20, cfg.max_processes + 2)
+                            for _ in range(cfg.workers)]
             self.memory_bound = (f"memory cgroup per execution ({where}): {cfg.memory_mb + cfg.disk_mb} MiB for all "
-                                 "its memory (processes, System V IPC, memfd, tmpfs), no swap")
+                                 f"its memory (processes, System V IPC, sockets, memfd, tmpfs), {self._cgroups.swap()}")
         else:
             self.memory_bound = (f"no memory cgroup ({where}): {cfg.memory_mb} MiB of address space per process "
-                                 f"(x {cfg.max_processes}) + {cfg.disk_mb} MiB tmpfs, memfd_create refused")
+                                 f"(x {cfg.max_processes}) + {cfg.disk_mb} MiB tmpfs; Unix sockets, System V "
+                                 "semaphores and memfd_create refused (kernel memory no limit would count)")
         try:
             self._seccomp: Optional[str] = compile_filter(self._cgroups is not None).hex()
         except (RuntimeError, OSError) as err:
@@ -225,21 +233,28 @@ class SandboxExecutor:
                 self._mode = path
                 problem = self._probe(ISOLATED_PROTECTIONS)
                 if problem is None:
+                    if self._cgroups is None and not cfg.allow_no_memory_cgroup:
+                        raise SandboxUnavailableError(
+                            f"the TIR sandbox has no memory cgroup for its executions here ({where}), so the kernel "
+                            "memory they pin (socket buffers, IPC objects) would be bounded only by refusing those "
+                            "calls. Delegate the memory controller to the trainer's cgroup (cgroup v2) or run where "
+                            "a cgroup v1 memory hierarchy is writable (docs/sandbox.md), or set "
+                            "tir.sandbox.allow_no_memory_cgroup: true to accept that weaker bound")
                     return
                 self.setup_notes.append(f"{path}: {problem}")
-            reason = "; ".join(self.setup_notes)
             if not self.cfg.allow_unsafe:
                 raise SandboxUnavailableError(
-                    f"the TIR sandbox cannot isolate executions on this machine ({reason}). Run as root, or "
-                    "where unprivileged user namespaces and seccomp are available (see docs/sandbox.md), or set "
-                    "tir.sandbox.allow_unsafe: true to run model-written code WITHOUT isolation "
-                    "(local debugging only)")
-            if self._seccomp is None:
-                raise SandboxUnavailableError(
-                    f"the TIR sandbox refuses even its unsafe mode without a system-call filter ({reason}): "
-                    "install the libseccomp2 system package")
-            warnings.warn(f"the TIR sandbox runs in its UNSAFE mode (tir.sandbox.allow_unsafe): {reason}",
-                          RuntimeWarning, stacklevel=3)
+                    f"the TIR sandbox cannot isolate executions on this machine ({'; '.join(self.setup_notes)}). "
+                    "Run as root, or where unprivileged user namespaces and seccomp are available (see "
+                    "docs/sandbox.md), or set tir.sandbox.allow_unsafe: true to run model-written code WITHOUT "
+                    "isolation (local debugging only)")
+        if self._seccomp is None:  # every entry point, isolation="none" included
+            raise SandboxUnavailableError(
+                f"the TIR sandbox refuses even its unsafe mode without a system-call filter "
+                f"({'; '.join(self.setup_notes)}): install the libseccomp2 system package")
+        if isolation != "none":
+            warnings.warn(f"the TIR sandbox runs in its UNSAFE mode (tir.sandbox.allow_unsafe): "
+                          f"{'; '.join(self.setup_notes)}", RuntimeWarning, stacklevel=3)
         self._mode = "unsafe"
         self._base = tempfile.mkdtemp(prefix="alp-sandbox-", dir=self._base_dir)
         self._finalizers.append(weakref.finalize(self, _remove_dir, self._base))
@@ -334,22 +349,27 @@ class SandboxExecutor:
             "ro_binds": _ro_binds(),
             "venv": [_VENV, VENV_DIR] if _VENV else None,
             "venv_masks": _VENV_MASKS,
+            "venv_links": _VENV_LINKS,
             "executable": VENV_DIR + _VENV_EXECUTABLE if isolated and _VENV else sys.executable,
+            "cell": _CELL.hex(),
+            "marker": COMMAND_MARKER,
             "disk_mb": cfg.disk_mb,
             "cpu_s": cfg.cpu_time_s,
             "memory_mb": cfg.memory_mb,
             "file_mb": cfg.max_file_mb,
             "nproc": cfg.max_processes,
             "seccomp": self._seccomp,
+            # what the start-up probe had (none during the probe): an execution short of any does not run
+            "required": sorted(self.protections - {"memory_cgroup"}),
         }
         # the root path starts as root; otherwise, as root, the process starts as the slot's uid
         as_uid = {} if uid is None or self._mode == "root" else {"user": uid, "group": uid, "extra_groups": []}
         # this pool thread's affinity, which the execution's process inherits
         os.sched_setaffinity(0, self.cores if self.cores is not None else self._start_cores)
-        proc = group = None
+        proc = None
+        group = self._groups[slot] if self._groups else None
+        oom_kills = group.oom_kills() if group is not None else 0
         try:
-            if self._cgroups is not None:
-                group = self._cgroups.create((cfg.memory_mb + cfg.disk_mb) << 20, cfg.max_processes + 2)
             proc = subprocess.Popen(
                 [_INTERPRETER, "-I", "-S", "-u", "-c", _BOOTSTRAP],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(_CHILD_ENV),
@@ -359,12 +379,14 @@ class SandboxExecutor:
             status_w = -1
             if group is not None:  # before it reads the code: all it does from then on is charged there
                 group.attach(proc.pid)
-            payload = _PROGRAM + json.dumps(spec).encode() + b"\n" + code.encode("utf-8", "surrogatepass")
+            spec_bytes = marshal.dumps(spec)
+            payload = (_PROGRAM + len(spec_bytes).to_bytes(4, "little") + spec_bytes
+                       + code.encode("utf-8", "surrogatepass"))
             out, status, ending = self._collect(proc, payload, status_r, t0 + wall_time_s)
             messages = _parse_status(status)
             self._stop(proc, messages.get("init"), isolated, uid)
             if group is not None:
-                messages["oom"] = group.oom_killed()
+                messages["oom"] = group.oom_kills() > oom_kills
                 messages.setdefault("protections", []).append("memory_cgroup")
         finally:
             if status_w >= 0:
@@ -376,8 +398,8 @@ class SandboxExecutor:
                     proc.wait()
                 proc.stdin.close()
                 proc.stdout.close()
-            if group is not None:
-                group.remove()
+            if group is not None and _still_busy(group):  # the slot's next execution gets a group of its own
+                self._groups[slot] = self._cgroups.create((cfg.memory_mb + cfg.disk_mb) << 20, cfg.max_processes + 2)
             if workdir is not None and not remove_tree(workdir, CLEANUP_TIMEOUT_S):
                 warnings.warn(f"sandbox: could not remove {workdir} within {CLEANUP_TIMEOUT_S:g} s",
                               RuntimeWarning, stacklevel=2)
@@ -523,6 +545,18 @@ def _venv_masks(venv: Optional[str]) -> dict[str, str]:
     return masks
 
 
+def _venv_links(venv: Optional[str]) -> dict[str, str]:
+    """The virtual environment's links to the interpreter (``python``, ``python3``...: name -> link),
+    all that isolated executions see of its ``bin``."""
+    if venv is None:
+        return {}
+    links = {}
+    for entry in os.scandir(os.path.join(venv, "bin")):
+        if entry.is_symlink() and os.path.realpath(entry.path) == _INTERPRETER:
+            links[entry.name] = os.readlink(entry.path)
+    return links
+
+
 def _ro_binds() -> list[str]:
     """Host directories the sandbox sees read-only at their own paths: the system and the Python
     installation (a virtual environment is seen at ``VENV_DIR``)."""
@@ -564,6 +598,16 @@ def _claim_uids(n: int) -> tuple[list[int], list[int]]:
                                   f"{SANDBOX_UID_BASE + SANDBOX_UID_COUNT - 1} for {n} workers")
 
 
+def _still_busy(group: ExecutionGroup) -> bool:
+    """Whether tasks of an ended execution still count in its slot's group after a moment."""
+    deadline = time.monotonic() + BUSY_GROUP_WAIT_S
+    while group.busy():
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.01)
+    return False
+
+
 def _remove_dir(path: str) -> None:
     """The unsafe mode's directory; warns, never raises."""
     try:
@@ -585,8 +629,8 @@ def _parse_status(data: bytes) -> dict:
     merged: dict = {}
     for line in bytes(data).decode("utf-8", "replace").splitlines():
         try:
-            merged.update(json.loads(line))
-        except ValueError:
+            merged.update(ast.literal_eval(line))
+        except (ValueError, SyntaxError, TypeError):
             pass
     return merged
 
@@ -633,3 +677,4 @@ def _sweep(pgrp: int, uid: Optional[int], timeout_s: float) -> None:
 _INTERPRETER = os.path.realpath(sys.executable)
 _VENV, _VENV_EXECUTABLE = _venv()
 _VENV_MASKS = _venv_masks(_VENV)
+_VENV_LINKS = _venv_links(_VENV)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import os
 import tempfile
 
 # What CPython, its standard library, numpy and sympy use, and nothing that reaches beyond the
@@ -27,8 +28,8 @@ ALLOWED = (
     "pkey_mprotect", "mseal", "map_shadow_stack",
     # files, directories, descriptors
     "read", "write", "readv", "writev", "pread64", "pwrite64", "preadv", "pwritev",
-    "open", "openat", "openat2", "creat", "close", "close_range", "lseek", "dup", "dup2", "dup3",
-    "fsync", "fdatasync", "sync_file_range", "ftruncate", "truncate", "fallocate", "sendfile",
+    "creat", "close", "close_range", "lseek", "dup", "dup2", "dup3",  # open, openat: below
+    "ftruncate", "truncate", "fallocate", "sendfile",
     "copy_file_range", "splice", "tee", "pipe", "pipe2", "ioctl",
     "stat", "fstat", "lstat", "newfstatat", "statx", "statfs", "fstatfs", "access", "faccessat",
     "faccessat2", "readlink", "readlinkat", "getdents", "getdents64", "getcwd", "chdir", "fchdir",
@@ -57,11 +58,11 @@ ALLOWED = (
     "getuid", "geteuid", "getgid", "getegid", "getresuid", "getresgid", "getgroups", "setuid", "setgid",
     "setreuid", "setregid", "setresuid", "setresgid", "setfsuid", "setfsgid", "setgroups", "capget",
     "capset", "getrlimit", "setrlimit", "prlimit64", "getrusage", "sysinfo", "uname",
-    # System V semaphores and POSIX IPC (private to the execution's IPC namespace)
-    "shmdt", "shmctl", "semget", "semop", "semtimedop", "semctl", "msgsnd", "msgrcv", "msgctl", "mq_open",
+    # System V semaphores (semget: below) and POSIX IPC (private to the execution's IPC namespace)
+    "shmdt", "shmctl", "semop", "semtimedop", "semctl", "msgsnd", "msgrcv", "msgctl", "mq_open",
     "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify",
     "mq_getsetattr",
-    # sockets (socket() and socketpair(): Unix domain only, below)
+    # sockets (socket() and socketpair(): Unix domain only, and only under a memory cgroup, below)
     "bind", "connect", "listen", "accept", "accept4", "getsockname", "getpeername",
     "sendto", "recvfrom", "sendmsg", "recvmsg", "sendmmsg", "recvmmsg", "shutdown", "setsockopt",
     "getsockopt",
@@ -91,10 +92,17 @@ DENIED = (
     "shmget", "shmat", "msgget",
 )
 
+# Disk flushes succeed without reaching the kernel: the only files the code can write are its own
+# tmpfs's, where a flush does nothing, while on the read-only views of host files each one is a
+# cache flush of the host's disk that no limit counts.
+NO_OPS = ("fsync", "fdatasync", "sync_file_range")
+O_DIRECT = getattr(os, "O_DIRECT", 0x4000)  # reads past the page cache: disk reads no limit counts
+F_SETFL = 4
+
 # fcntl commands allowed (descriptor flags, owners, signals, pipe sizes, seals, hints), and those
 # refused with EPERM for the reasons above: record locks (classic and open-file description),
 # leases and directory change notification. Others get the default (ENOSYS).
-ALLOWED_FCNTL = (0, 1, 2, 3, 4, 8, 9, 10, 11, 15, 16, 17, 1030, 1031, 1032, 1033, 1034, 1035, 1036, 1037, 1038)
+ALLOWED_FCNTL = (0, 1, 2, 3, 8, 9, 10, 11, 15, 16, 17, 1030, 1031, 1032, 1033, 1034, 1035, 1036, 1037, 1038)
 DENIED_FCNTL = (5, 6, 7, 36, 37, 38, 1024, 1025, 1026, 1029)  # F_GETLK, F_SETLK(W), F_OFD_*, leases, F_NOTIFY
 # madvise advice allowed, and refused with EPERM: read-ahead and reclaim of file pages
 # (page-cache probes and eviction).
@@ -107,10 +115,11 @@ AF_UNIX = 1
 
 
 @functools.lru_cache(maxsize=None)
-def compile_filter(allow_memfd: bool) -> bytes:
+def compile_filter(memory_cgroup: bool) -> bytes:
     """The filter as a classic BPF program (``struct sock_filter`` array) for the native
     architecture; raises :class:`RuntimeError` naming what is missing if libseccomp is not there.
-    ``allow_memfd``: only where a memory cgroup counts memfd pages against the execution."""
+    ``memory_cgroup``: a memory cgroup counts everything the execution pins, so memfd, System V
+    semaphores and Unix sockets are allowed; without one they are refused with ``EPERM``."""
     try:
         import pyseccomp as sc
     except (ImportError, RuntimeError) as err:  # pyseccomp raises RuntimeError without libseccomp
@@ -129,13 +138,24 @@ def compile_filter(allow_memfd: bool) -> bytes:
         add(sc.ALLOW, name)
     for name in DENIED:
         add(sc.ERRNO(errno.EPERM), name)
+    for name in NO_OPS:
+        add(sc.ERRNO(0), name)
+    for name, flags in (("open", 1), ("openat", 2)):
+        add(sc.ALLOW, name, sc.Arg(flags, sc.MASKED_EQ, O_DIRECT, 0))
+        add(sc.ERRNO(errno.EPERM), name, sc.Arg(flags, sc.MASKED_EQ, O_DIRECT, O_DIRECT))
+    # openat2 stays at the default (ENOSYS): its flags sit behind a pointer, and libc never needs it
+    add(sc.ALLOW, "fcntl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, F_SETFL), sc.Arg(2, sc.MASKED_EQ, O_DIRECT, 0))
+    add(sc.ERRNO(errno.EPERM), "fcntl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, F_SETFL),
+        sc.Arg(2, sc.MASKED_EQ, O_DIRECT, O_DIRECT))
     ns_mask = sum(CLONE_NAMESPACE_FLAGS)
     add(sc.ALLOW, "clone", sc.Arg(0, sc.MASKED_EQ, ns_mask, 0))
     for flag in CLONE_NAMESPACE_FLAGS:
         add(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
     # clone3 stays at the default (ENOSYS): its flags sit behind a pointer, and libc falls back to clone
+    # kernel memory that no limit counts without a memory cgroup: Unix socket buffers and datagram
+    # backlogs, System V semaphore arrays, memfd pages (pipes: the kernel bounds them per uid)
     for name in ("socket", "socketpair"):
-        add(sc.ALLOW, name, sc.Arg(0, sc.EQ, AF_UNIX))
+        add(sc.ALLOW if memory_cgroup else sc.ERRNO(errno.EPERM), name, sc.Arg(0, sc.EQ, AF_UNIX))
         add(sc.ERRNO(errno.EPERM), name, sc.Arg(0, sc.NE, AF_UNIX))
     # int arguments: the kernel reads only their low 32 bits, so the rules compare those
     for name, arg, allowed, refused in (("fcntl", 1, ALLOWED_FCNTL, DENIED_FCNTL),
@@ -147,7 +167,8 @@ def compile_filter(allow_memfd: bool) -> bytes:
     for name in ("preadv2", "pwritev2"):
         add(sc.ALLOW, name, sc.Arg(5, sc.EQ, 0))
         add(sc.ERRNO(errno.EPERM), name, sc.Arg(5, sc.NE, 0))
-    add(sc.ALLOW if allow_memfd else sc.ERRNO(errno.EPERM), "memfd_create")
+    for name in ("memfd_create", "semget"):
+        add(sc.ALLOW if memory_cgroup else sc.ERRNO(errno.EPERM), name)
     with tempfile.TemporaryFile() as out:
         f.export_bpf(out)
         out.seek(0)
