@@ -462,7 +462,10 @@ def kill_engine(engine, timeout: float = 30.0) -> None:
             except psutil.Error:  # gone already
                 pass
     for pid in pids:
-        os.kill(pid, signal.SIGKILL)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:  # it has ended already
+            pass
     deadline = time.monotonic() + timeout
     while any(running(pid) for pid in family) and time.monotonic() < deadline:
         time.sleep(0.02)

@@ -360,9 +360,11 @@ def test_broadcast_sync_follows_new_weights_and_survives_engine_deaths(broadcast
     assert max_diff(model, engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=8))) < FP32_TOL
 
     def dies_after_the_first_layer(weights):
+        killed = False
         for name, tensor in weights:
-            if ".layers.1." in name:
+            if ".layers.1." in name and not killed:  # once: the next tensors may be pulled before the death is seen
                 kill_engine(engine)
+                killed = True
             yield name, tensor
 
     t0 = time.monotonic()
