@@ -404,8 +404,8 @@ class SandboxExecutor:
                 warnings.warn(f"sandbox: could not remove {workdir} within {CLEANUP_TIMEOUT_S:g} s",
                               RuntimeWarning, stacklevel=2)
         text, truncated = out.text()
-        return self._result(text, truncated, ending, proc.returncode, messages, isolated, wall_time_s,
-                            time.monotonic() - t0)
+        return _execution_result(cfg, text, truncated, ending, proc.returncode, messages, isolated, wall_time_s,
+                                time.monotonic() - t0)
 
     def _collect(self, proc: subprocess.Popen, payload: bytes, status_fd: int, deadline: float):
         """Write ``payload`` to the process's stdin and read its output and status until the
@@ -470,44 +470,46 @@ class SandboxExecutor:
         if not isolated:  # no PID namespace: the process group, and as root every process of the slot's uid
             _sweep(proc.pid, uid, STOP_TIMEOUT_S)
 
-    def _result(self, text, truncated, ending, returncode, messages, isolated, wall_time_s,
-                duration) -> ExecutionResult:
-        cfg = self.cfg
-        protections = tuple(messages.get("protections", ()))
-        if "setup_error" in messages:
-            return ExecutionResult(f"Error: sandbox setup failed: {messages['setup_error']}", "sandbox_error",
-                                   duration_s=duration)
-        exit_code = messages.get("exit") if isolated else returncode
-        if ending == "timeout":
-            status, note = "timeout", f"Error: execution timed out after {_seconds(wall_time_s)}"
-        elif ending == "output_limit":
-            status = "output_limit"
-            note = ("Error: output limit exceeded: execution stopped after "
-                    f"{OUTPUT_KILL_FACTOR * cfg.max_output_bytes} bytes")
-        elif not protections:
-            status, note = "sandbox_error", f"Error: the sandbox did not start (exit code {returncode})"
-        elif exit_code is None:
-            status, note = "killed", "Error: execution killed (its sandbox was stopped from outside)"
-        elif exit_code < 0:
-            sig = -exit_code
-            status, note = "killed", f"Error: execution killed by signal {signal_name(sig)}"
-            if sig == signal.SIGXCPU:
-                status, note = "cpu_limit", f"Error: CPU time limit exceeded ({_seconds(cfg.cpu_time_s)})"
-            elif sig == signal.SIGKILL and messages.get("oom"):
-                note = f"Error: memory limit exceeded ({cfg.memory_mb + cfg.disk_mb} MiB for the whole execution)"
-            elif sig == signal.SIGKILL:
-                note = "Error: execution killed (SIGKILL: CPU or memory limit)"
-            elif sig == signal.SIGXFSZ:
-                status, note = "error", f"Error: file size limit exceeded ({cfg.max_file_mb} MB)"
-            elif sig == signal.SIGSYS:
-                note = "Error: execution killed by signal SIGSYS (a forbidden system call)"
-        elif exit_code:
-            status, note = "error", ""
-        else:
-            status, note = "ok", ""
-        if note:
-            text = f"{text.rstrip()}\n{note}" if text.strip() else note
-        return ExecutionResult(text, status, exit_code, truncated, duration, protections)
+
+def _execution_result(cfg: "SandboxConfig", text: str, truncated: bool, ending: str, returncode: Optional[int],
+                     messages: dict, isolated: bool, wall_time_s: float, duration: float) -> ExecutionResult:
+    """What an execution that ended (``ending``: ``done``, ``timeout`` or ``output_limit``) produced, from
+    its output and the status lines of its confinement program (``messages``)."""
+    protections = tuple(messages.get("protections", ()))
+    if "setup_error" in messages:
+        return ExecutionResult(f"Error: sandbox setup failed: {messages['setup_error']}", "sandbox_error",
+                               duration_s=duration)
+    exit_code = messages.get("exit") if isolated else returncode
+    if ending == "timeout":
+        status, note = "timeout", f"Error: execution timed out after {_seconds(wall_time_s)}"
+    elif ending == "output_limit":
+        status = "output_limit"
+        note = ("Error: output limit exceeded: execution stopped after "
+                f"{OUTPUT_KILL_FACTOR * cfg.max_output_bytes} bytes")
+    elif not protections:
+        status, note = "sandbox_error", f"Error: the sandbox did not start (exit code {returncode})"
+    elif exit_code is None:
+        status, note = "killed", "Error: execution killed (its sandbox was stopped from outside)"
+    elif exit_code < 0:
+        sig = -exit_code
+        status, note = "killed", f"Error: execution killed by signal {signal_name(sig)}"
+        if sig == signal.SIGXCPU:
+            status, note = "cpu_limit", f"Error: CPU time limit exceeded ({_seconds(cfg.cpu_time_s)})"
+        elif sig == signal.SIGKILL and messages.get("oom"):
+            note = f"Error: memory limit exceeded ({cfg.memory_mb + cfg.disk_mb} MiB for the whole execution)"
+        elif sig == signal.SIGKILL:
+            note = "Error: execution killed (SIGKILL: CPU or memory limit)"
+        elif sig == signal.SIGXFSZ:
+            status, note = "error", f"Error: file size limit exceeded ({cfg.max_file_mb} MB)"
+        elif sig == signal.SIGSYS:
+            note = "Error: execution killed by signal SIGSYS (a forbidden system call)"
+    elif exit_code:
+        status, note = "error", ""
+    else:
+        status, note = "ok", ""
+    if note:
+        text = f"{text.rstrip()}\n{note}" if text.strip() else note
+    return ExecutionResult(text, status, exit_code, truncated, duration, protections)
 
 
 def _venv() -> tuple[Optional[str], str]:
