@@ -41,9 +41,13 @@ class _Store:
             self.arrays[key], self.handles[key] = array, 0
             return key
 
-    def retain(self, key: int) -> None:
+    def retain(self, key: int) -> bool:
+        """Count one more handle to ``key``; False (nothing counted) when it is no longer held."""
         with self.lock:
+            if key not in self.handles:
+                return False
             self.handles[key] += 1
+            return True
 
     def release(self, key: int) -> None:
         with self.lock:
@@ -75,8 +79,7 @@ class HeldRouting:
 
     def __init__(self, holder: int, key: int, length: int, tail: tuple[int, int], dtype: str):
         self.holder, self.key, self.length, self.tail, self.dtype = holder, key, length, tuple(tail), np.dtype(dtype)
-        if holder == _rank() and key in STORE.handles:
-            STORE.retain(key)
+        if holder == _rank() and STORE.retain(key):
             weakref.finalize(self, STORE.release, key)
 
     def __reduce__(self):
