@@ -30,7 +30,7 @@ from megatron_alp.resolve import load_config
 from megatron_alp.rollout.sglang_engine import sglang_python
 from megatron_alp.runtime.parallel import free_port
 from megatron_alp.trainer.memory_plan import GiB, memory_plan
-from megatron_alp.trainer.phases import PHASES
+from megatron_alp.plan.phases import PHASES
 
 ROOT = Path(__file__).resolve().parents[1]
 # ~0.46B parameters: 24 layers of hidden 1024 / MLP 5504 (the tiny tokenizer keeps the vocabulary small).

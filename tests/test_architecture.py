@@ -14,6 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "megatron_alp"
 ORDER = [
     {"cli", "commands"},
     {"trainer"},
+    {"plan"},
     {"resolve"},
     {"batches", "diagnostics"},
     {"training", "rollout", "tir"},

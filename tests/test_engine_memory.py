@@ -21,7 +21,8 @@ from megatron_alp.rollout.engine_memory import SGLangMemory, VLLMMemory
 from megatron_alp.rollout.placement import ReplicaLayout
 from megatron_alp.rollout.sglang_engine import server_command
 from megatron_alp.rollout.vllm.worker import WorkerExtension, read_captured
-from megatron_alp.trainer.phases import PHASES, STRICT_ENV, PhaseRunner
+from megatron_alp.plan.phases import PHASES
+from megatron_alp.trainer.phases import STRICT_ENV, PhaseRunner
 
 # The trainer's phases in its own order (trainer.py): an iteration with a layer probe, a verified sync,
 # validation and a save, then a rollout whose engine crashed, resynced and verified

@@ -7,7 +7,8 @@ import pytest
 import torch
 from helpers import QUICKSTART_TIR, SEPARATE, train
 
-from megatron_alp.trainer.phases import PHASES, STRICT_ENV, PhaseRunner
+from megatron_alp.plan.phases import PHASES
+from megatron_alp.trainer.phases import STRICT_ENV, PhaseRunner
 from megatron_alp.training.offload import TrainingStateOffloader
 
 # What each phase must hold, written from the description of the phases (not read from the table)

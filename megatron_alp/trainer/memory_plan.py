@@ -121,7 +121,7 @@ from megatron_alp.models.tiny import tiny_hf_config
 from megatron_alp.resolve import config_from_dict
 from megatron_alp.rollout.base import resolve_max_model_len
 from megatron_alp.rollout.placement import auto_replicas, check_sync_placement, replica_layout
-from megatron_alp.trainer.phases import PHASES, PhaseSpec
+from megatron_alp.plan.phases import PHASES, PhaseSpec
 from megatron_alp.training.calibration import LAYER_PROBE_TOKENS
 from megatron_alp.training.dist_checkpoint import SaveTransient, save_transient
 from megatron_alp.training.logprobs import CHUNK_ELEMENTS

@@ -1,12 +1,6 @@
-"""The phases of a run, and what each one holds on the GPU: one table for the trainer and the plan.
-
-In a colocated GPU run Megatron and the engine take turns on the same GPUs. :data:`PHASES` says,
-for every phase, which Megatron state it needs resident (the rest leaves the GPU where
-``rollout.offload_<kind>`` allows), which engine memory it needs awake, and whether the allocator
-cache is emptied on entry. :class:`PhaseRunner` is the only way the trainer changes phase: it moves
-Megatron's state and the engine's memory to what the table says, releasing before it allocates.
-``megatron-alp plan`` counts the peak of every phase from the same table
-(:mod:`megatron_alp.trainer.memory_plan`), so a phase the trainer runs is a phase the plan checked.
+"""The trainer's phase changes: :class:`PhaseRunner` is the only way the trainer changes phase. It
+moves Megatron's state and the engine's memory to what the phase table
+(:data:`~megatron_alp.plan.phases.PHASES`) says, releasing before it allocates.
 
 ``trainer.phase_ledger`` writes what each rank really held at every phase entry (measured from the
 storages, and on GPUs the memory in use and the trainer's peak) to ``RUN/phase_ledger/rank_<r>.jsonl``;
@@ -23,7 +17,6 @@ set it) and one warning line otherwise.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import signal
@@ -33,54 +26,13 @@ from typing import Iterator, Optional
 
 import torch
 
+from megatron_alp.plan.phases import ENGINE_STATES, PHASES, PhaseSpec
 from megatron_alp.runtime.console import say
 from megatron_alp.runtime.platform import has_gpu
 from megatron_alp.trainer.hang_watch import HangWatch
 from megatron_alp.training.offload import KINDS, TrainingStateOffloader
 
-ENGINE_STATES = ("none", "asleep", "weights", "awake")  # no engine yet; all memory freed; weights only; all
 STRICT_ENV = "MEGATRON_ALP_STRICT_PHASES"  # "1": an engine holding other memory than its phase's is an error
-
-
-@dataclasses.dataclass(frozen=True)
-class PhaseSpec:
-    name: str
-    title: str
-    megatron: tuple[str, ...]  # the Megatron state (of KINDS) it needs on the GPU; the reference goes with "weights"
-    engine: str  # the engine memory it needs awake (ENGINE_STATES)
-    work: str  # what else it allocates, for the plan: update, forward, bucket, probe, layer_probe, or nothing
-    plan_row: str  # the row of `megatron-alp plan` that counts it
-    # a weight sync comes before the engine generates again: an engine put to sleep here may drop weights
-    # that sync re-sends instead of keeping a host copy (vLLM's sleep level 2; not with lora.sync: adapter)
-    resync: bool = False
-
-    @property
-    def empties_cache(self) -> bool:
-        """The allocator's cached blocks go back to the driver before an engine wakes anything."""
-        return self.engine in ("weights", "awake")
-
-
-PHASES: dict[str, PhaseSpec] = {p.name: p for p in (
-    PhaseSpec("warm_start", "warm start (tiny models, before Megatron and the engine exist)", (), "none", "",
-              "warm_start"),
-    PhaseSpec("model_build", "Megatron model, optimizer and reference built, a checkpoint loaded",
-              KINDS, "none", "", "training"),
-    PhaseSpec("engine_start", "engine start (claims its whole budget)", (), "awake", "", "rollout"),
-    PhaseSpec("rollout", "rollout (engine awake)", (), "awake", "", "rollout"),
-    PhaseSpec("engine_restart_resync", "engine restart + resync (a crashed engine mid-rollout)", ("weights",),
-              "weights", "bucket", "engine_restart_resync"),
-    PhaseSpec("layer_probe", "layer probe (perturbation.calibration_mode: per_layer: layer inputs on both sides)",
-              ("weights",), "awake", "layer_probe", "layer_probe"),
-    PhaseSpec("logprob", "old/reference logprob passes (and sigma calibration)", ("weights",), "asleep",
-              "forward", "training", resync=True),
-    PhaseSpec("policy_update", "policy update", KINDS, "asleep", "update", "training", resync=True),
-    PhaseSpec("weight_sync", "weight sync (engine weights awake, no KV cache)", ("weights",), "weights",
-              "bucket", "weight_sync"),
-    PhaseSpec("sync_verification", "sync verification (rollout.verify_sync: probe on both sides)", ("weights",),
-              "awake", "probe", "sync_verification"),
-    PhaseSpec("validation", "validation (engine awake)", (), "awake", "", "rollout"),
-    PhaseSpec("checkpoint_save", "checkpoint save", ("policy", "optimizer"), "asleep", "save", "checkpoint_save"),
-)}
 
 
 @contextlib.contextmanager

@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 from megatron_alp.runtime.preemption import StopRequests
 from megatron_alp.trainer.hang_watch import HangWatch
-from megatron_alp.trainer.phases import PHASES, PhaseRunner
+from megatron_alp.plan.phases import PHASES
+from megatron_alp.trainer.phases import PhaseRunner
 
 run_dir, deadline = Path(sys.argv[1]), float(sys.argv[2])
 dist.init_process_group("gloo")
