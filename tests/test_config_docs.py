@@ -1,5 +1,6 @@
 """docs/configuration.md is generated from the config classes and the loss registry, and is current."""
 
+import re
 from pathlib import Path
 
 from megatron_alp.algorithms.policy_loss import POLICY_LOSSES
@@ -22,3 +23,13 @@ def test_docs_list_every_registered_loss():
     text = config_docs()
     for name, spec in POLICY_LOSSES.items():
         assert f"| `{name}` | {spec.paper} |" in text, name
+
+
+def test_loss_knob_groups_name_registered_losses():
+    """Each loss's own knobs sit under a `# read by:` comment in the loss section (config cannot
+    import the registry); a renamed or removed loss must not leave a stale name there."""
+    text = (ROOT / "megatron_alp" / "config" / "sections" / "loss.py").read_text()
+    groups = re.findall(r"# read by: ([^;\n]+)", text)
+    assert groups
+    for group in groups:
+        assert {n.strip() for n in group.split(",")} <= set(POLICY_LOSSES), group

@@ -1,6 +1,7 @@
-"""The configuration wing: the schema of every key (:mod:`~megatron_alp.config.schema`) and
-reading it from YAML and overrides (:mod:`~megatron_alp.config.loading`). Resolving a config
-against the registries is :mod:`megatron_alp.resolve`, which sits above them."""
+"""The configuration wing: the schema of every key (the root :mod:`~megatron_alp.config.schema`
+and one module per section in :mod:`~megatron_alp.config.sections`) and reading it from YAML and
+overrides (:mod:`~megatron_alp.config.loading`). Resolving a config against the registries is
+:mod:`megatron_alp.resolve`, which sits above them."""
 
 from megatron_alp.config.loading import apply_overrides, read_config, validate_schema
 from megatron_alp.config.schema import (
