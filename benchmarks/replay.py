@@ -11,6 +11,8 @@ IDENTICAL for every row.
 
     python benchmarks/replay.py --base HEAD~1            # about 25 minutes on 2 cores
     python benchmarks/replay.py --base main --only sync async
+    python benchmarks/replay.py --base HEAD~1 --keep       # prints where the runs are kept
+    python benchmarks/replay.py --base-runs RUNS/runs-base # the base's kept runs again, without rerunning it
 
 The numbers hold per machine (vLLM's CPU kernels and thread counts differ between machines), so
 compare two revisions on one machine.
@@ -118,7 +120,10 @@ def compare(base: Path, change: Path, only: list[str]) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base", required=True, help="git revision to compare this working tree with")
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--base", help="git revision to compare this working tree with")
+    which.add_argument("--base-runs", metavar="DIR", type=Path,
+                       help="the runs-base folder an earlier --keep left: compare with those runs instead")
     parser.add_argument("--only", nargs="+", choices=[*RUNS, *COMMANDS], help="a subset (intervene and mismatch "
                         "and eval need sync)")
     parser.add_argument("--keep", action="store_true", help="keep the runs' folders (printed)")
@@ -127,15 +132,20 @@ def main() -> int:
     if {"mismatch", "intervene", "eval"} & set(only):
         only = list(dict.fromkeys(["sync", *only]))
     work = Path(tempfile.mkdtemp(prefix="replay-"))
-    base_tree = work / "base"
-    subprocess.run(["git", "worktree", "add", "--detach", str(base_tree), args.base], cwd=ROOT, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base_tree, base_runs = work / "base", args.base_runs or work / "runs-base"
+    missing = [name for name in only if args.base_runs and not (base_runs / name).is_dir()]
+    if missing:
+        parser.error(f"--base-runs {base_runs}: no runs of {', '.join(missing)} there")
     try:
-        for tree, out in ((base_tree, work / "runs-base"), (ROOT, work / "runs-change")):
-            run_all(tree, out, only, print)
-        failed = compare(work / "runs-base", work / "runs-change", only)
+        if args.base:
+            subprocess.run(["git", "worktree", "add", "--detach", str(base_tree), args.base], cwd=ROOT, check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            run_all(base_tree, base_runs, only, print)
+        run_all(ROOT, work / "runs-change", only, print)
+        failed = compare(base_runs, work / "runs-change", only)
     finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(base_tree)], cwd=ROOT, check=False)
+        if args.base:
+            subprocess.run(["git", "worktree", "remove", "--force", str(base_tree)], cwd=ROOT, check=False)
         if args.keep:
             print(f"runs kept in {work}")
         else:

@@ -117,20 +117,45 @@ def test_no_import_circle():
 
 
 def test_commands_never_import_each_other():
-    commands = {m for m in MODULES if m.startswith("megatron_alp.commands.")} - {"megatron_alp.commands.context"}
+    """A command is a module of commands/ with a ``run``; the others (context, session) serve them all."""
+    commands = {m for m, tree in MODULES.items() if m.startswith("megatron_alp.commands.")
+                and any(isinstance(n, ast.FunctionDef) and n.name == "run" for n in tree.body)}
+    assert len(commands) >= 9, commands
     wrong = [(m, t) for m in commands for t in GRAPH[m] if t in commands]
     assert not wrong, wrong
 
 
+def _span(node: ast.AST) -> int:
+    return node.end_lineno - node.lineno + 1
+
+
 def test_the_trainer_reads_on_a_screen():
+    """The trainer drives components (learner, checkpointer, validator, calibrator, batch source);
+    it does not grow their work back into itself."""
     tree = MODULES["megatron_alp.trainer.trainer"]
     trainer = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "RLTrainer")
-    assert trainer.end_lineno - trainer.lineno + 1 <= 300
-    long = [(f.name, f.end_lineno - f.lineno + 1) for f in ast.walk(tree)
-            if isinstance(f, ast.FunctionDef) and f.end_lineno - f.lineno + 1 > 60]
-    assert not long, long
+    assert _span(trainer) <= 240
     iteration = next(f for f in trainer.body if isinstance(f, ast.FunctionDef) and f.name == "train_iteration")
-    assert iteration.end_lineno - iteration.lineno + 1 <= 45
+    assert _span(iteration) <= 40
+    imported = {t for t in GRAPH["megatron_alp.trainer.trainer"]}
+    assert len(imported) <= 32, sorted(imported)
+
+
+def test_no_long_function_in_the_trainer_and_plan_wings():
+    long = [(name, f.name, _span(f)) for name, tree in MODULES.items()
+            if _wing(name) in ("trainer", "plan") for f in ast.walk(tree)
+            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and _span(f) > 60]
+    assert not long, long
+
+
+# classes over the bound that an open issue splits (issue 40: the weight-sync wing takes DistributedRollout's syncs)
+SPLIT_PENDING = {"megatron_alp.rollout.distributed.DistributedRollout"}
+
+
+def test_no_class_over_350_lines():
+    large = [(f"{name}.{c.name}", _span(c)) for name, tree in MODULES.items() for c in ast.walk(tree)
+             if isinstance(c, ast.ClassDef) and _span(c) > 350]
+    assert sorted(k for k, _ in large) == sorted(SPLIT_PENDING), large
 
 
 def test_registries_are_the_one_list_of_their_members():

@@ -18,7 +18,6 @@ from megatron_alp.training.calibration import (
     TOLERANCE,
     _next_scale,
     calibrate_sigma,
-    calibration_due,
     calibration_line,
     real_positions,
     robust_rms,
@@ -82,14 +81,6 @@ def test_every_layout_sets_the_same_sigmas_relative_to_the_layer_inputs(calibrat
     one, four = _per_layer(calibrated["dp2/1"]["sigmas"]), _per_layer(calibrated["dp2/4"]["sigmas"])
     for k in one:
         assert four[k] / one[k] == pytest.approx(2.0, rel=0.1)
-
-
-def test_calibration_runs_before_the_first_iteration_and_every_k():
-    auto = PerturbationConfig(enabled=True, init_std="auto", calibrate_every=3)
-    assert [i for i in range(10) if calibration_due(auto, i)] == [0, 3, 6, 9]
-    once = PerturbationConfig(enabled=True, init_std="auto")
-    assert [i for i in range(10) if calibration_due(once, i)] == [0]
-    assert not any(calibration_due(PerturbationConfig(enabled=True, init_std=1e-4), i) for i in range(5))
 
 
 def test_the_search_step_solves_a_power_law_in_one_step():

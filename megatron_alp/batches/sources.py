@@ -46,6 +46,13 @@ class BatchSource(abc.ABC):
     def resume_state(self) -> dict:
         """The prompt sampler's state where a run resumed from the next checkpoint restarts."""
 
+    def state_dict(self) -> dict:
+        return {"sampler": self.resume_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Before the first batch: draw on from where the checkpointed run's next batch was drawn."""
+        self.sampler.load_state_dict(state["sampler"])
+
 
 def _tally(stats: dict, key: str, value: float) -> None:
     stats[key] = stats.get(key, 0.0) + value
@@ -178,6 +185,9 @@ class DynamicSampling(BatchSource):
 
     def resume_state(self) -> dict:
         return self.inner.resume_state()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
 
 
 def build_batch_source(cfg: Config, rollout, sampler: PromptSampler, scorer: Scorer, *, tokenizer,

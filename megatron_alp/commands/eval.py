@@ -22,12 +22,12 @@ from megatron_alp.batches.evaluation import load_benchmark, response_budget, sum
 from megatron_alp.batches.sampling import eval_params, sample
 from megatron_alp.commands.context import library_log, one_process, write_json, write_text
 from megatron_alp.commands.context import model_dir as resolve_model_dir
+from megatron_alp.commands.session import Session
 from megatron_alp.config import Config, ConfigError, InputError, ParallelConfig, apply_overrides
 from megatron_alp.data.prompts import Prompt, load_tokenizer
 from megatron_alp.models.families import load_hf_config
 from megatron_alp.resolve import config_from_dict, load_config
 from megatron_alp.rewards import build_reward
-from megatron_alp.rollout import build_engine
 from megatron_alp.runtime.console import held_warnings, say
 from megatron_alp.tir.sandbox import SandboxExecutor
 from megatron_alp.training.dist_checkpoint import latest_checkpoint
@@ -60,17 +60,15 @@ def generate(cfg: Config, model_dir: str, prompts: list[Prompt], seed: int):
         update=dict(n=ev.k, temperature=ev.temperature, top_p=ev.top_p, top_k=-1, max_response_length=max_tokens))
     rollout_cfg = cfg.rollout.model_copy(update=dict(sampling=sampling, max_model_len=context))
     params = eval_params(ev, max_tokens)
-    engine = build_engine(rollout_cfg, model_dir, seed)
-    try:
-        ids = [p.prompt_ids for p in prompts]
+    ids = [p.prompt_ids for p in prompts]
+    with Session(cfg, model_dir, seed=seed, megatron=False) as session:
+        engine = session.engine(rollout_cfg)
         if cfg.tir.enabled:
             with SandboxExecutor(cfg.tir.sandbox) as executor:
-                trajs = sample(engine, ids, params, cfg.tir, load_tokenizer(model_dir), executor)
+                trajs = sample(engine, ids, params, cfg.tir, session.tokenizer, executor)
         else:
             trajs = sample(engine, ids, params, cfg.tir)
-        return [t.response_text for t in trajs], [len(t.response_ids) for t in trajs]
-    finally:
-        engine.shutdown()
+    return [t.response_text for t in trajs], [len(t.response_ids) for t in trajs]
 
 
 def evaluate(cfg: Config, model_dir: str, files: list[tuple[str, str]], *, seed: int,

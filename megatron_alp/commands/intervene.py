@@ -50,16 +50,10 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron_alp.algorithms.policy_loss import POLICY_LOSSES, needs_ref_logprobs
 from megatron_alp.batches.sampling import rollout_params, sample, seeds_samples
 from megatron_alp.batches.scoring import score
-from megatron_alp.commands.context import (
-    library_log,
-    model_dir,
-    one_process,
-    positive,
-    refuse_torchrun,
-    write_json,
-)
-from megatron_alp.config import Config, InputError, ParallelConfig, TIRConfig
-from megatron_alp.data.prompts import PromptDataset, PromptSampler, load_tokenizer, pad_id
+from megatron_alp.commands.context import library_log, model_dir, positive, refuse_torchrun, write_json
+from megatron_alp.commands.session import Session
+from megatron_alp.config import Config, InputError, TIRConfig
+from megatron_alp.data.prompts import PromptSampler
 from megatron_alp.diagnostics.mismatch_report import (
     ENVELOPE,
     describe,
@@ -68,19 +62,12 @@ from megatron_alp.diagnostics.mismatch_report import (
     mismatch_report,
     token_stats,
 )
-from megatron_alp.models.families import hf_to_megatron, load_hf_config
 from megatron_alp.resolve import load_config
 from megatron_alp.rewards import build_reward
-from megatron_alp.rollout import DistributedRollout
 from megatron_alp.runtime.console import held_warnings, say
-from megatron_alp.training.builder import build_gpt_model
-from megatron_alp.training.calibration import calibrate_sigma
-from megatron_alp.training.dist_checkpoint import load_checkpoint, read_metadata
-from megatron_alp.training.micro_batch import Batching
-from megatron_alp.training.optim import build_optimizer, wrap_for_training
-from megatron_alp.training.perturbation import gather_sigma_stats, perturbation_sites, set_sigmas
-from megatron_alp.training.policy import build_reference, load_weights, weights_kind
-from megatron_alp.training.policy_update import compute_logprobs, probe_mismatch, train_mini_batch
+from megatron_alp.training.dist_checkpoint import read_metadata
+from megatron_alp.training.perturbation import perturbation_sites, set_sigmas
+from megatron_alp.training.policy import weights_kind
 from megatron_alp.training.rl_batch import training_batch
 from megatron_alp.training.step_metrics import StepMetrics
 
@@ -200,52 +187,37 @@ def _rollout_batch(cfg: Config, engine, reward_fn, dataset, *, prompts: int, see
     return batch, positions, info
 
 
-def _update(arm: Arm, cfg: Config, batch, ref_lp, *, seed: int, checkpoint: str, hf_args, pad: int,
-            optimizer_state: bool):
-    """ARM's one step from the checkpoint on ``batch``: a fresh model, and an optimizer fresh or
+def _update(arm: Arm, cfg: Config, batch, session: Session, *, seed: int, checkpoint: str, optimizer_state: bool,
+            reference):
+    """ARM's one step from the checkpoint on ``batch``: a fresh learner, with an optimizer fresh or
     with the checkpoint's state, identically seeded; returns old (unperturbed, before) and updated
     (unperturbed, after) logprobs, the update's metrics and the sigma the update was perturbed with."""
-    parallel = ParallelConfig(use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     pert = arm_perturbation(arm, cfg, checkpoint, optimizer_state)
     pert = pert.model_copy(update={"seed": pert.seed + seed})
-    model = build_gpt_model(hf_args, cfg.model, parallel, pert, moe=cfg.moe)
-    if optimizer_state:
-        policy = wrap_for_training(model, parallel)
-        optimizer, _ = build_optimizer(policy, cfg.optimizer, pert, parallel, total_steps=1)
-        settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        load_checkpoint(checkpoint, policy, optimizer=optimizer, strict=True)
-        for group, own in zip(optimizer.param_groups, settings):  # the loaded groups carry the checkpoint's
-            group.update(own)  # learning rates and decay: the arm's config applies, with the checkpoint's moments
-    else:  # weights first: a bf16 model's optimizer copies them into its fp32 main params when built
-        load_weights(model, checkpoint, strict=True)
-        policy = wrap_for_training(model, parallel)
-        optimizer, _ = build_optimizer(policy, cfg.optimizer, pert, parallel, total_steps=1)
+    learner = session.learner(cfg, checkpoint, perturbation=pert, optimizer_state=optimizer_state,
+                              reference=reference if needs_ref_logprobs(cfg.loss) else None)
     sigma = 0.0 if pert.enabled and not cfg.perturbation.enabled else arm.sigma
     if isinstance(sigma, float):
-        set_sigmas(model, [sigma] * len(perturbation_sites(model)))
-    s, t = cfg.rollout.sampling, cfg.trainer
-    common = dict(temperature=s.temperature, pad_id=pad, fused=t.fused_linear_logprobs)
-    old = compute_logprobs(policy, batch, batching=Batching.for_logprobs(t), **common)
-    step_batch = dataclasses.replace(batch, old_logprobs=old, ref_logprobs=ref_lp if needs_ref_logprobs(cfg.loss) else None)
-    calibration = {}
-    if sigma == "auto":
-        calibration = calibrate_sigma(policy, step_batch, cfg.perturbation, iteration=0,
-                                      batching=Batching.for_logprobs(t), **common)
-    sigma = gather_sigma_stats(model).get("sigma/mean")
+        set_sigmas(learner.module, [sigma] * len(perturbation_sites(learner.module)))
+    step_batch = dataclasses.replace(batch)
+    learner.old_pass(step_batch)
+    if learner.reference is not None:
+        learner.reference_pass(step_batch)
+    calibration = learner.calibrate(step_batch, iteration=0) if sigma == "auto" else {}
+    sigma = learner.sigma_stats().get("sigma/mean")
     metrics = StepMetrics()
-    stats = train_mini_batch(policy, optimizer, step_batch, loss_cfg=cfg.loss, step=0, batching=Batching.for_update(t),
-                             metrics=metrics, **common)
-    after = compute_logprobs(policy, batch, batching=Batching.for_logprobs(t), **common)
+    stats = learner.step_on(step_batch, metrics)
+    after = learner.logprobs(batch)
     noisy = None  # the updated perturbed policy, with the noise of the step after: the ratio ALP's next step clips
     if sigma:
-        noisy = compute_logprobs(policy, batch, batching=Batching.for_logprobs(t), perturb_step=1, **common)
+        noisy = learner.logprobs(batch, perturb_step=1)
     reduced = metrics.reduce()
     update = {k: reduced[k] for k in UPDATE_KEYS}
     update.update(grad_norm=stats["grad_norm"], update_ok=stats["update_ok"], micro_batches=stats["micro_batches"],
                   **calibration)
-    return old, after, noisy, update, sigma
+    return step_batch.old_logprobs, after, noisy, update, sigma
 
 
 def measure(cfg: Config, arms: dict[Arm, Config], *, checkpoint: str, model_dir: str, prompts: int, seeds: int,
@@ -255,38 +227,26 @@ def measure(cfg: Config, arms: dict[Arm, Config], *, checkpoint: str, model_dir:
     and per arm ``old`` and ``after``)."""
     kind = weights_kind(checkpoint, "--checkpoint")
     s = cfg.rollout.sampling
-    tokenizer = load_tokenizer(model_dir)
-    pad = pad_id(tokenizer)
-    dataset = PromptDataset.from_config(cfg.data, tokenizer, s.max_prompt_length, split="train").head(
-        cfg.data.max_train_prompts)
     reward_fn = build_reward(cfg.reward)
-    with one_process(seed):
-        hf_args = hf_to_megatron(load_hf_config(model_dir))
-        # the checkpoint, unperturbed: the engine's weights and the reference policy
-        reference = build_reference(hf_args, cfg, checkpoint, parallel=ParallelConfig())
-        engine = DistributedRollout(cfg.rollout, model_dir, seed=seed, scorer=probe_mismatch)
-        try:
-            if kind == "megatron":
-                engine.sync_weights(reference)
-            batches = [_rollout_batch(cfg, engine, reward_fn, dataset, prompts=prompts, seed=seed + i, pad=pad)
-                       for i in range(seeds)]
-        finally:
-            engine.shutdown()
+    with Session(cfg, model_dir, seed=seed) as session:
+        dataset = session.prompts("train", head=cfg.data.max_train_prompts)
+        reference = session.scorer(checkpoint)  # the checkpoint, unperturbed: the engine's weights and the reference
+        engine = session.engine()
+        if kind == "megatron":
+            engine.sync_weights(reference)
+        batches = [_rollout_batch(cfg, engine, reward_fn, dataset, prompts=prompts, seed=seed + i, pad=session.pad_id)
+                   for i in range(seeds)]
+        session.close_engine()
         per_seed, tokens = [], []
         for batch, positions, info in batches:
             keep = batch.loss_mask > 0
-            ref_lp = None
-            if any(needs_ref_logprobs(c.loss) for c in arms.values()):
-                ref_lp = compute_logprobs(reference, batch, batching=Batching.for_logprobs(cfg.trainer),
-                                          temperature=s.temperature, pad_id=pad,
-                                          fused=cfg.trainer.fused_linear_logprobs)
             rollout, pos = batch.rollout_logprobs[keep], positions[keep]
             flat = {"rollout": rollout, "positions": pos, "old": {}, "after": {}}
             entry = {**info, "tokens": int(keep.sum()), "arms": {}}
             for arm, arm_cfg in arms.items():
-                old, after, noisy, update, sigma = _update(arm, arm_cfg, batch, ref_lp, seed=info["seed"],
-                                                           checkpoint=checkpoint, hf_args=hf_args, pad=pad,
-                                                           optimizer_state=optimizer_state)
+                old, after, noisy, update, sigma = _update(arm, arm_cfg, batch, session, seed=info["seed"],
+                                                           checkpoint=checkpoint, optimizer_state=optimizer_state,
+                                                           reference=reference)
                 flat["old"][arm.name], flat["after"][arm.name] = old[keep], after[keep]
                 entry["arms"][arm.name] = {
                     "sigma": sigma,

@@ -35,31 +35,22 @@ import torch
 from matplotlib.figure import Figure
 
 from megatron_alp.batches.sampling import rollout_params, sample, seeds_samples
-from megatron_alp.commands.context import (
-    library_log,
-    model_dir,
-    one_process,
-    positive,
-    refuse_torchrun,
-    write_json,
-)
-from megatron_alp.config import Config, InputError, ParallelConfig, RolloutConfig, TIRConfig
-from megatron_alp.data.prompts import PromptDataset, load_tokenizer, pad_id
+from megatron_alp.commands.context import library_log, model_dir, positive, refuse_torchrun, write_json
+from megatron_alp.commands.session import Session
+from megatron_alp.config import Config, InputError, RolloutConfig, TIRConfig
 from megatron_alp.diagnostics.figures import probability_scatter
 from megatron_alp.diagnostics.layer_divergence import KINDS, draw_layers, format_layers, layer_divergence
 from megatron_alp.diagnostics.mismatch_report import describe, draw_envelope, engine_settings, mismatch_report
-from megatron_alp.models.families import hf_to_megatron, load_hf_config
+from megatron_alp.plan.shape import RunShape
 from megatron_alp.resolve import load_config
 from megatron_alp.rollout import DistributedRollout
 from megatron_alp.rollout.base import get_engine
 from megatron_alp.runtime.console import held_warnings, say
-from megatron_alp.training.builder import build_gpt_model
 from megatron_alp.training.calibration import calibrate_sigma, input_divergence, probe_sequences, site_layers
 from megatron_alp.training.layer_states import megatron_layer_states
 from megatron_alp.training.micro_batch import Batching
 from megatron_alp.training.perturbation import sigma_stats
-from megatron_alp.training.policy import load_weights
-from megatron_alp.training.policy_update import compute_logprobs, probe_mismatch
+from megatron_alp.training.policy_update import compute_logprobs
 from megatron_alp.training.rl_batch import build_rl_batch
 
 SCATTER_POINTS = 20000
@@ -73,42 +64,37 @@ def measure(cfg: Config, model_dir: str, *, prompts: int, n: Optional[int], max_
     logprobs."""
     s = cfg.rollout.sampling
     n = n or s.n
-    per_layer = cfg.perturbation.enabled and cfg.perturbation.calibration_mode == "per_layer"
+    per_layer = RunShape.of(cfg).layer_probe
     max_tokens = min(max_tokens or s.max_response_length, s.max_response_length)
     split = "val" if cfg.data.val_files else "train"
-    tokenizer = load_tokenizer(model_dir)
-    data = PromptDataset.from_config(cfg.data, tokenizer, s.max_prompt_length, split=split).head(prompts)
     # The engine's context follows the probe's response budget, as the trainer's follows its own.
     probe = s.model_copy(update={"n": n, "max_response_length": max_tokens})
     rollout_cfg = cfg.rollout.model_copy(update={"sampling": probe})
     params = rollout_params(probe, seed if seeds_samples(s) else None)
-    with one_process(seed):
+    with Session(cfg, model_dir, seed=seed) as session:
+        data = session.prompts(split, head=prompts)
         # the config's ALP sites (the unperturbed passes never see them) for the sigma calibration below
-        model = build_gpt_model(hf_to_megatron(load_hf_config(model_dir)), cfg.model, ParallelConfig(),
-                                cfg.perturbation, moe=cfg.moe)
-        load_weights(model, cfg.model.load or model_dir)
-        engine = DistributedRollout(rollout_cfg, model_dir, seed=seed, scorer=probe_mismatch)
-        try:
-            if cfg.model.load is not None:
-                engine.sync_weights(model)
-            t0 = time.time()
-            trajectories = sample(engine, [p.prompt_ids for p in data], params, TIRConfig())
-            seconds = time.time() - t0
-            # every token that was fed through the models (the last one is only a target)
-            sequences = [(t.prompt_ids + t.response_ids)[:-1] for t in trajectories[:layers]]
-            engine_states = engine_layer_states(engine, sequences, KINDS) if layers else None
-            # perturbation.calibration_mode: per_layer sizes sigma by each layer's input divergence
-            probe = probe_sequences([t.prompt_ids + t.response_ids for t in trajectories]) if per_layer else []
-            probe_states = engine_layer_states(engine, probe, ("input",)) if probe else None
-        finally:
-            engine.shutdown()
+        model = session.scorer(cfg.model.load or model_dir, perturbation=cfg.perturbation)
+        engine = session.engine(rollout_cfg)
+        if cfg.model.load is not None:
+            engine.sync_weights(model)
+        t0 = time.time()
+        trajectories = sample(engine, [p.prompt_ids for p in data], params, TIRConfig())
+        seconds = time.time() - t0
+        # every token that was fed through the models (the last one is only a target)
+        sequences = [(t.prompt_ids + t.response_ids)[:-1] for t in trajectories[:layers]]
+        engine_states = engine_layer_states(engine, sequences, KINDS) if layers else None
+        # perturbation.calibration_mode: per_layer sizes sigma by each layer's input divergence
+        probe = probe_sequences([t.prompt_ids + t.response_ids for t in trajectories]) if per_layer else []
+        probe_states = engine_layer_states(engine, probe, ("input",)) if probe else None
+        session.close_engine()
         layer_report = layer_divergence(engine_states, megatron_layer_states(model, sequences, KINDS)) if layers else None
         divergence = (input_divergence(probe_states, megatron_layer_states(model, probe, ("input",)), site_layers(model))
                       if probe else None)
         del engine_states, probe_states  # [layers, tokens, hidden] per kind and sequence: not kept for the scoring
-        batch = build_rl_batch(trajectories, torch.zeros(len(trajectories)), pad_id(tokenizer))
+        batch = build_rl_batch(trajectories, torch.zeros(len(trajectories)), session.pad_id)
         logprob_pass = dict(batching=Batching.for_logprobs(cfg.trainer), temperature=s.temperature,
-                            pad_id=pad_id(tokenizer), fused=cfg.trainer.fused_linear_logprobs)
+                            pad_id=session.pad_id, fused=cfg.trainer.fused_linear_logprobs)
         train_lp = compute_logprobs(model, batch, **logprob_pass)
         calibration = None
         if cfg.perturbation.enabled:

@@ -20,11 +20,11 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
-from megatron_alp.config import DataConfig, InputError
+from megatron_alp.config import Config, DataConfig, InputError
 
 ROLES = ("system", "user", "assistant", "tool")
 _MISSING = object()
@@ -404,3 +404,13 @@ class PromptSampler:
         self.epoch = int(d["epoch"])
         self.position = int(d["position"])
         self._order = self._permutation(self.epoch)
+
+
+def training_sampler(cfg: Config, tokenizer, log: Optional[Callable[[str], None]] = None) -> PromptSampler:
+    """What a run draws its prompts from: the first ``data.max_train_prompts`` of ``data.train_files``,
+    in ``data.seed``'s order; ``log`` gets the data set's report lines."""
+    longest = cfg.rollout.sampling.max_prompt_length
+    dataset = PromptDataset.from_config(cfg.data, tokenizer, longest, split="train").head(cfg.data.max_train_prompts)
+    for line in dataset.report(longest) if log is not None else ():
+        log(f"data: {line}")
+    return PromptSampler(dataset, seed=cfg.data.seed, shuffle=cfg.data.shuffle)

@@ -12,10 +12,13 @@ import shutil
 import time
 from pathlib import Path
 
+import torch.distributed as dist
+
 from megatron_alp.config import Config, InputError
 from megatron_alp.data.prompts import PromptDataset, load_tokenizer
 from megatron_alp.models.tiny import make_tiny_model
 from megatron_alp.runtime.console import say
+from megatron_alp.trainer.phases import PhaseRunner
 from megatron_alp.trainer.warm_start import warm_start, warmup_examples
 
 
@@ -24,6 +27,20 @@ def base_model_dir(cfg: Config) -> Path:
     if cfg.model.hf_path is not None:
         return Path(cfg.model.hf_path)
     return Path(cfg.trainer.output_dir) / "base_model"
+
+
+def run_model_dir(cfg: Config, phases: PhaseRunner, rank: int) -> Path:
+    """Collective: the directory a run's engine and Megatron model start from, the tiny base model
+    made (in the ``warm_start`` phase, on rank 0) when the run directory has none yet."""
+    path = base_model_dir(cfg)
+    if cfg.model.hf_path is not None:
+        return check_model_dir(path, "model.hf_path")
+    if not (path / "config.json").is_file():
+        phases.enter("warm_start")
+        if rank == 0:
+            make_base_model(cfg, path)
+    dist.barrier()
+    return path
 
 
 def check_model_dir(path: Path, key: str, hint: str = "") -> Path:

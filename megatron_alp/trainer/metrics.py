@@ -21,6 +21,7 @@ from megatron_alp.batches.scoring import overlong_penalties
 from megatron_alp.config import Config
 from megatron_alp.runtime.run_log import save_token_probs
 from megatron_alp.tir.multi_turn import tir_metrics
+from megatron_alp.training.policy_update import from_last_stage
 
 
 def mean_dicts(dicts: list[dict]) -> dict:
@@ -95,6 +96,21 @@ def throughput_metrics(tokens: float, timing: dict) -> dict:
         "throughput/tokens_per_s": tokens / max(timing["timing/total_s"], 1e-9),
         "throughput/rollout_tokens_per_s": timing["rollout/response_tokens"] / max(timing["timing/rollout_s"], 1e-9),
     }
+
+
+def iteration_metrics(cfg: Config, groups: Groups, share, *, step: int, loss_metrics: list[dict],
+                      step_stats: list[dict], data_state: dict, learner_metrics: dict, measured: dict) -> dict:
+    """An iteration's record: the loss metrics (from the last pipeline stage), the batch, the data
+    position, the update, the learner's rates, sigmas and routing, what the phases measured, and
+    the throughput."""
+    out = from_last_stage({"step": step, **mean_dicts(loss_metrics)})
+    out.update(batch_metrics(cfg, groups, share.truncated))
+    out.update(data_metrics(data_state))
+    out.update(update_metrics(step_stats))
+    out.update(learner_metrics)
+    out.update(measured)
+    out.update(throughput_metrics(float(share.batch.lengths.sum().item()), measured))
+    return out
 
 
 def run_summary(records: list[dict], seconds: float, run_dir: Path, k: int) -> tuple[list[str], dict[str, float]]:

@@ -30,7 +30,8 @@ from megatron_alp.plan.phases import ENGINE_STATES, PHASES, PhaseSpec
 from megatron_alp.runtime.console import say
 from megatron_alp.runtime.platform import has_gpu
 from megatron_alp.trainer.hang_watch import HangWatch
-from megatron_alp.training.offload import KINDS, TrainingStateOffloader
+from megatron_alp.training.offload import KINDS, TrainingStateOffloader, offloader_for
+from megatron_alp.training.policy_update import model_chunks
 
 STRICT_ENV = "MEGATRON_ALP_STRICT_PHASES"  # "1": an engine holding other memory than its phase's is an error
 
@@ -88,6 +89,14 @@ class PhaseRunner:
             self.offloader, self.measure = offloader, measure or offloader
         if rollout is not None:
             self.rollout = rollout
+
+    def attach_learner(self, learner, rollout_cfg, on_cpu: bool) -> None:
+        """Offload (where ``rollout.offload_*`` allow; ``on_cpu``: on the CPU too) and measure the
+        learner's policy, optimizer and reference (when it is a model of its own)."""
+        chunks = model_chunks(learner.policy)
+        reference = [m for m in [learner.reference] if m not in (None, learner.policy)]
+        self.attach(offloader=offloader_for(rollout_cfg, chunks, learner.optimizer, reference, on_cpu=on_cpu),
+                    measure=TrainingStateOffloader(chunks, learner.optimizer, (), reference))
 
     def enter(self, name: str) -> None:
         """Become phase ``name``: release what it does not need (Megatron state first, then engine

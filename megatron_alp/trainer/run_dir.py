@@ -21,6 +21,22 @@ import yaml
 
 from megatron_alp.config import Config, InputError
 from megatron_alp.runtime.run_log import RunLogger
+from megatron_alp.trainer.inputs import check_run_inputs
+
+
+def claim_run_dir(cfg: Config, rank: int):
+    """Check every input (nothing is created when one is wrong), then, on global rank 0, take the
+    run directory: create it, lock it (:func:`lock_run_dir`, returned; None on other ranks) and, for
+    a fresh run (``trainer.resume: false``), refuse or archive an earlier run's files."""
+    check_run_inputs(cfg)
+    if rank != 0:
+        return None
+    run_dir = Path(cfg.trainer.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = lock_run_dir(run_dir)
+    if not cfg.trainer.resume:
+        claim_fresh(run_dir, archive=cfg.trainer.archive_previous)
+    return lock
 
 
 def lock_run_dir(run_dir: Path):

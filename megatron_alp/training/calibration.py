@@ -15,7 +15,7 @@ show up as KL divergences on the first batch of rollouts, so sigma is chosen to 
    larger than the rest, which would set the overall RMS alone and the noise far above the size
    of every other dimension.
    With ``perturbation.calibration_mode: per_layer`` the scale of a layer is instead the measured
-   divergence of its input between the engine and the trainer (:func:`layer_input_divergence`: the
+   divergence of its input between the engine and the trainer (:func:`input_divergence`: the
    same robust RMS, of ``h_engine - h_train`` over the tokens of the batch's first sequences, up to
    ``LAYER_PROBE_TOKENS``): the size of the paper's zeta_h itself, so layers where the engine drifts
    more get more noise, where the global mode gives every layer the same noise-to-activation ratio;
@@ -59,7 +59,6 @@ from megatron.core import parallel_state as ps
 from megatron_alp.config import InputError, PerturbationConfig
 from megatron_alp.models.routing import to_router
 from megatron_alp.runtime.comm import comm_device
-from megatron_alp.training.layer_states import megatron_layer_states
 from megatron_alp.training.micro_batch import Batching, MicroBatch
 from megatron_alp.training.perturbation import controller_of, perturbation_sites, set_sigmas
 from megatron_alp.training.policy_update import compute_logprobs, from_last_stage, model_chunks
@@ -74,18 +73,6 @@ MAX_SCALE = 1.0  # noise as large as the activations it is added to: beyond, the
 NOISE_DRAWS = 4  # the perturbed KL of a candidate scale is the mean over this many noise draws
 FALLBACK_STD = PerturbationConfig.model_fields["init_std"].default  # sigma when there is nothing to match
 LAYER_PROBE_TOKENS = 512  # per_layer mode: the tokens whose layer inputs the engine and Megatron both show
-
-
-def calibration_due(cfg: PerturbationConfig, iteration: int) -> bool:
-    """Whether the iteration starts with a calibration: the first, and every ``calibrate_every``."""
-    if cfg.init_std != "auto":
-        return False
-    return iteration == 0 or bool(cfg.calibrate_every and iteration % cfg.calibrate_every == 0)
-
-
-def layer_probe_due(cfg: PerturbationConfig, iteration: int) -> bool:
-    """Whether the iteration's calibration sizes sigma by each layer's input divergence first."""
-    return cfg.calibration_mode == "per_layer" and calibration_due(cfg, iteration)
 
 
 def _hosts(model) -> list:
@@ -227,20 +214,10 @@ def probe_routing(batch: RLBatch, sequences: list[list[int]], replay: Optional[s
     return [batch.rollout_routing[i, : len(s)] for i, s in enumerate(sequences)]
 
 
-def layer_input_divergence(model, rollout, batch: RLBatch, replay: Optional[str] = None) -> list[float]:
-    """Per perturbed site, :func:`input_divergence` between the engine's and this model's states of
-    :func:`probe_sequences` of ``batch`` (the same on every rank), Megatron's with the update pass's
-    routing replay (:func:`probe_routing`; ``replay``: the field the update pass replays). ``rollout``:
-    the :class:`~megatron_alp.rollout.distributed.DistributedRollout`, whose first live replica shows
-    its layer inputs on its leader (``rollout.prober``; needs the engine awake and Megatron's weights
-    resident: the trainer's ``layer_probe`` phase). Every rank runs the model's forwards and gets the
-    leader's result."""
-    sequences = probe_sequences([row[:n] for row, n in zip(batch.tokens.tolist(), batch.lengths.tolist())])
-    engine = rollout.layer_states(sequences, kinds=("input",))
-    train = megatron_layer_states(model, sequences, kinds=("input",),
-                                  routing=probe_routing(batch, sequences, replay))
-    return rollout.broadcast(input_divergence(engine, train, site_layers(model)) if engine is not None else None,
-                             src=rollout.prober)
+def batch_probe(batch: RLBatch) -> list[list[int]]:
+    """:func:`probe_sequences` of ``batch``'s rows (the same on every rank): the sequences whose
+    layer inputs the layer probe compares, engine against trainer."""
+    return probe_sequences([row[:n] for row, n in zip(batch.tokens.tolist(), batch.lengths.tolist())])
 
 
 def _next_scale(history: list[tuple[float, float]], target: float) -> float:
@@ -272,7 +249,7 @@ def calibrate_sigma(model, batch: RLBatch, cfg: PerturbationConfig, *, iteration
                     divergence: Optional[list[float]] = None) -> dict[str, float]:
     """Set every site's sigma from ``batch`` (with ``old_logprobs``): see the module docstring.
     ``replay``: the routing field the update pass replays on an MoE model. ``divergence``: per site,
-    :func:`layer_input_divergence` (``calibration_mode: per_layer``); None: the layer-input RMS.
+    :func:`input_divergence` of the layer probe (``calibration_mode: per_layer``); None: the layer-input RMS.
     Returns the ``calibration/*`` metrics; the sigmas of the chosen scale are set on return. Raises
     :class:`~megatron_alp.config.InputError` when ``calibration_target`` is out of reach."""
     passes = dict(batching=batching, temperature=temperature, pad_id=pad_id, fused=fused,

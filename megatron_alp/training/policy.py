@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from megatron.core.utils import unwrap_model
 
-from megatron_alp.config import Config, InputError, ParallelConfig
+from megatron_alp.config import Config, InputError, ParallelConfig, PerturbationConfig
 from megatron_alp.models.families import MegatronModelArgs
 from megatron_alp.models.hf_weights import load_hf_weights
 from megatron_alp.training.builder import build_gpt_model
@@ -44,9 +44,10 @@ def load_weights(model, source: str | Path, *, strict: bool = True) -> None:
 
 
 def build_reference(args: MegatronModelArgs, cfg: Config, source: str | Path,
-                    parallel: Optional[ParallelConfig] = None):
-    """The unperturbed, frozen model of ``source``'s weights (the KL reference, a scorer)."""
-    model = build_gpt_model(args, cfg.model, parallel or cfg.parallel, perturbation=None, moe=cfg.moe)
+                    parallel: Optional[ParallelConfig] = None, perturbation: Optional[PerturbationConfig] = None):
+    """The frozen model of ``source``'s weights (the KL reference, a scorer): unperturbed, or with
+    ``perturbation``'s sites for a sigma calibration's perturbed passes."""
+    model = build_gpt_model(args, cfg.model, parallel or cfg.parallel, perturbation=perturbation, moe=cfg.moe)
     load_weights(model, source, strict=False)
     for p in model.parameters():
         p.requires_grad_(False)
