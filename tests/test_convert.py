@@ -288,7 +288,7 @@ def test_cli_bf16_stays_bf16_and_loads_in_vllm(cli_run):
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
 
-    from megatron_alp.rollout.vllm.engine import forget_dead_vllm_groups
+    from megatron_alp.rollout.vllm.process import forget_dead_vllm_groups
 
     prompt = [5, 17, 42, 99, 7]
     forget_dead_vllm_groups()  # torch.distributed may have been torn down by an earlier test

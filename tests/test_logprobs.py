@@ -166,7 +166,7 @@ def test_temperature_matches_vllm_processed_logprobs(tiny_qwen2, tmp_path, monke
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
 
-    from megatron_alp.rollout.vllm.engine import forget_dead_vllm_groups
+    from megatron_alp.rollout.vllm.process import forget_dead_vllm_groups
 
     T = 0.6
     forget_dead_vllm_groups()  # torch.distributed may have been torn down by an earlier test

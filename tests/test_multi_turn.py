@@ -412,7 +412,7 @@ class VLLMAdapter(RolloutEngine):
     def __init__(self, model_dir, regex):
         from vllm import LLM
 
-        from megatron_alp.rollout.vllm.engine import forget_dead_vllm_groups
+        from megatron_alp.rollout.vllm.process import forget_dead_vllm_groups
 
         forget_dead_vllm_groups()  # torch.distributed may have been torn down by an earlier test
         self.llm = LLM(model=str(model_dir), dtype="bfloat16", max_model_len=512, enforce_eager=True, seed=0)

@@ -32,7 +32,7 @@ def test_chunked_prefill_is_turned_off_only_on_the_cpu():
     """On the CPU a chunked prefill would rewind seeded generators, which CPU generators cannot do; on
     GPUs vLLM's default stays (off there, it may crash or give wrong outputs and forces the token
     budget up to the context), with routed experts too."""
-    from megatron_alp.rollout.vllm.engine import llm_kwargs
+    from megatron_alp.rollout.vllm.process import llm_kwargs
 
     def kwargs(gpu, routing=False):
         return llm_kwargs(rollout_cfg(), model="m", tokenizer="t", seed=0, max_model_len=256, quantization={},
@@ -53,7 +53,7 @@ def test_gpu_engine_arguments_are_vllms_and_a_sleeping_engine_offloads_its_cuda_
 
     from vllm.engine.arg_utils import EngineArgs
 
-    from megatron_alp.rollout.vllm.engine import llm_kwargs
+    from megatron_alp.rollout.vllm.process import llm_kwargs
 
     def kwargs(**rollout):
         return llm_kwargs(rollout_cfg(**rollout), model="m", tokenizer="t", seed=0, max_model_len=256,

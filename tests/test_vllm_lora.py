@@ -18,7 +18,7 @@ from megatron_alp.config import LoRAConfig
 from megatron_alp.rollout import RolloutError, SamplingParams, build_engine
 from megatron_alp.rollout.base import get_engine
 from megatron_alp.rollout.distributed import DistributedRollout
-from megatron_alp.rollout.vllm.engine import max_lora_rank
+from megatron_alp.rollout.vllm.adapters import max_lora_rank
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK = 8
@@ -151,8 +151,8 @@ def test_adapter_sync_samples_what_the_merged_model_samples(tmp_path, tiny_model
         with pytest.raises(RolloutError, match="vLLM rejected the LoRA adapter"):
             engine.update_adapter(stray, config2)
         assert max_diff(peft2, engine.generate(PROMPTS, sampled)) < FP32_TOL  # adapter 2 still in place
-        assert set(engine._llm.llm_engine.list_loras()) == {2}, "the previous adapter is removed from the engine"
-        assert [p.name for p in engine._adapter_root.iterdir()] == ["adapter-000002"]
+        assert set(engine.process.llm.llm_engine.list_loras()) == {2}, "the previous adapter is removed from the engine"
+        assert [p.name for p in engine.adapters.root.iterdir()] == ["adapter-000002"]
 
         engine.interruption = _SwitchAfter(engine, (adapter1, config1), steps=4)
         groups = engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_tokens=24, seed=3))
@@ -173,7 +173,7 @@ def test_adapter_sync_samples_what_the_merged_model_samples(tmp_path, tiny_model
         kill_engine(engine)
         again = engine.generate(PROMPTS, sampled)  # restarted, with the adapter it held (adapter1 again)
         assert engine.restarts == 1 and max_diff(peft1, again) < FP32_TOL
-        root = engine._adapter_root
+        root = engine.adapters.root
     finally:
         rollout.shutdown()
     assert not root.exists()

@@ -71,7 +71,7 @@ def megatron_diff(model, groups) -> float:
 
 def kill_engine_at_step(rollout, step: int) -> None:
     """SIGKILL this rank's engine-core process when its ``step``-th engine step runs."""
-    core = rollout.engine._llm.llm_engine
+    core = rollout.engine.process.llm.llm_engine
     original, calls = core.step, [0]
 
     def step_then_die():

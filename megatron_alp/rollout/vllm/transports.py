@@ -38,13 +38,13 @@ Weights = Iterable[tuple[str, torch.Tensor]]
 
 
 @contextmanager
-def reload_session(engine):
+def reload_session(process):
     """The workers' reload session around one sync's buckets
     (:meth:`~megatron_alp.rollout.vllm.worker.WorkerExtension.begin_weight_reload`). A bucket that
     fails leaves it open: the engine is then broken and restarted before its next use."""
-    engine.rpc("begin_weight_reload")
+    process.rpc("begin_weight_reload")
     yield
-    engine.rpc("end_weight_reload")
+    process.rpc("end_weight_reload")
 
 
 class WeightTransport(abc.ABC):
@@ -58,8 +58,9 @@ class WeightTransport(abc.ABC):
         self.cfg, self.model_dir = cfg, model_dir
 
     @abc.abstractmethod
-    def send(self, engine, weights: Weights) -> None:
-        """Load ``weights`` into ``engine``'s workers (``engine``: the running VLLMEngine)."""
+    def send(self, process, weights: Weights) -> None:
+        """Load ``weights`` into the workers of ``process`` (the engine's running
+        :class:`~megatron_alp.rollout.vllm.process.EngineProcess`)."""
 
     def engine_released(self) -> None:
         """The engine's processes are gone: end what was tied to them."""
@@ -85,8 +86,8 @@ class InProcess(WeightTransport):
     def name(self) -> str:
         return "in_process"
 
-    def send(self, engine, weights: Weights) -> None:
-        engine.in_process_worker().reload_weights(weights_iterator=weights)
+    def send(self, process, weights: Weights) -> None:
+        process.in_process_worker().reload_weights(weights_iterator=weights)
 
 
 class SharedBuckets(WeightTransport):
@@ -96,13 +97,13 @@ class SharedBuckets(WeightTransport):
         super().__init__(cfg, model_dir)
         self._writer: Optional[BucketWriter] = None
 
-    def send(self, engine, weights: Weights) -> None:
+    def send(self, process, weights: Weights) -> None:
         if self._writer is None:
             self._writer = BucketWriter()
         try:
-            with reload_session(engine):
+            with reload_session(process):
                 for bucket in layer_buckets(weights, self.cfg.sync_bucket_mb << 20):
-                    engine.rpc("load_weight_bucket", args=(self._writer.pack(bucket),))
+                    process.rpc("load_weight_bucket", args=(self._writer.pack(bucket),))
         finally:
             self._writer.release_device()
 
@@ -121,13 +122,13 @@ class Folder(WeightTransport):
         self._root: Optional[Path] = None
         self._current: Optional[Path] = None  # folder of the current weights
 
-    def send(self, engine, weights: Weights) -> None:
+    def send(self, process, weights: Weights) -> None:
         if self._root is None:
             self._root = default_sync_root(self.cfg.sync_dir)
         version = int(self._current.name.rsplit("-", 1)[1]) + 1 if self._current else 1
         folder = write_hf_checkpoint(weights, self._root / f"weights-{version:06d}",
                                      bucket_bytes=self.cfg.sync_bucket_mb << 20, config_dir=self.model_dir)
-        engine.rpc("reload_weights", kwargs={"weights_path": str(folder)})
+        process.rpc("reload_weights", kwargs={"weights_path": str(folder)})
         old, self._current = self._current, folder
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
@@ -149,15 +150,15 @@ class Broadcast(WeightTransport):
         super().__init__(cfg, model_dir)
         self._sender: Optional[BroadcastSender] = None  # the broadcast group of the running engine's workers
 
-    def send(self, engine, weights: Weights) -> None:
+    def send(self, process, weights: Weights) -> None:
         if self._sender is None:
             self._sender = BroadcastSender(workers=self.cfg.tensor_parallel_size,
-                                           timeout_s=self.cfg.request_timeout_s, alive=engine.alive)
+                                           timeout_s=self.cfg.request_timeout_s, alive=process.alive)
         try:
-            with reload_session(engine):
+            with reload_session(process):
                 for bucket in layer_buckets(weights, self.cfg.sync_bucket_mb << 20):
-                    self._sender.send(bucket, join=lambda spec: engine.rpc("join_weight_broadcast", args=(spec,)),
-                                      receive=lambda header: engine.rpc("receive_weight_bucket", args=(header,)))
+                    self._sender.send(bucket, join=lambda spec: process.rpc("join_weight_broadcast", args=(spec,)),
+                                      receive=lambda header: process.rpc("receive_weight_bucket", args=(header,)))
         finally:
             if self._sender is not None:
                 self._sender.release_device()
