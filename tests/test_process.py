@@ -1,9 +1,11 @@
 """Process hygiene (megatron_alp/runtime/process.py): a process tree that ends with the process above it, and
 the shared memory it leaves."""
 
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -107,3 +109,34 @@ def test_a_killed_process_leaves_no_shared_memory_that_nobody_uses():
             proc.kill()
             proc.wait()
         path.unlink(missing_ok=True)
+
+
+# Maps a file inside a folder of /dev/shm, as an engine maps the folder transport's synced weights.
+MAPPER = """
+import mmap, sys, time
+with open(sys.argv[1], "r+b") as f:
+    view = mmap.mmap(f.fileno(), 0)
+print("mapped", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_killed_process_leaves_the_files_of_a_shm_folder_to_its_owner(tmp_path):
+    """The synced weights an engine maps from a /dev/shm folder outlive the engine's kill: its restart
+    reads them again (the folder's owner removes them), so its janitor must leave them."""
+    folder = Path(tempfile.mkdtemp(prefix="alp-test-", dir="/dev/shm"))
+    weights = folder / "model.safetensors"
+    weights.write_bytes(b"\0" * (1 << 16))
+    proc = subprocess.Popen([sys.executable, "-c", MAPPER, str(weights)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "mapped"
+        clean_shared_memory_after(proc.pid)
+        time.sleep(1.0)  # the janitor has seen the mapping
+        proc.kill()
+        proc.wait()
+        time.sleep(1.5)  # the janitor has ended and removed what was its to remove
+        assert weights.exists()
+    finally:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(folder, ignore_errors=True)

@@ -5,7 +5,10 @@ process PID lives, note every /dev/shm file it maps; once it is gone, unlink tho
 process maps any more. vLLM's processes share memory through anonymous ``psm_*`` segments that
 only a clean exit of their creator unlinks; a process killed (by our own SIGKILL escalation, by
 vLLM terminating its workers, or by a preemption) leaves them in /dev/shm until the machine
-reboots. A segment another live process still maps is left to that process's own janitor.
+reboots. A segment another live process still maps is left to that process's own janitor. Only
+segments at the top of /dev/shm are a janitor's: a file inside a folder there (the synced weights
+of the folder transport, which an engine restarted after the kill reads again) belongs to whoever
+made the folder.
 Started by :func:`megatron_alp.runtime.process.clean_shared_memory_after`.
 """
 
@@ -18,12 +21,13 @@ POLL_S = 0.5
 
 
 def mapped(pid: str) -> set[str]:
-    """The /dev/shm files process ``pid`` maps (empty when it is gone)."""
+    """The segments at the top of /dev/shm that process ``pid`` maps (empty when it is gone)."""
     try:
         with open(f"/proc/{pid}/maps") as maps:
-            return {line.split(SHM, 1)[1].split()[0] for line in maps if SHM in line}
+            names = {line.split(SHM, 1)[1].split()[0] for line in maps if SHM in line}
     except OSError:
         return set()
+    return {name for name in names if "/" not in name}
 
 
 def running(pid: str) -> bool:
