@@ -82,6 +82,7 @@ class PolicyLoss:
     ratio: str  # the clipped ratio, for the docs table
     correction: str = "—"  # the detached correction, for the docs table
     objective: Literal["clipped", "is_weighted"] = "clipped"  # PPO's surrogate, or CISPO's weighted REINFORCE
+    knobs: tuple[str, ...] = ()  # the keys of the loss section this loss alone (or with a few) reads
 
     def clip_range(self, cfg: "LossConfig") -> tuple[float, float]:
         """``(clip_low, clip_high)``: the config's values, or this loss's defaults where unset."""
@@ -107,10 +108,13 @@ def register_policy_loss(
     clip: Optional[tuple[float, float]] = None,
     correction: str = "—",
     objective: Literal["clipped", "is_weighted"] = "clipped",
+    knobs: tuple[str, ...] = (),
 ):
     """Register ``fn(cfg, inputs, mask) -> Ratio`` as policy loss ``name`` with its properties
-    (``clip`` defaults to the paper's range for ``level``; ``objective``: see the module docstring).
-    Registering is all it takes for a new loss to be selectable as ``loss.name``."""
+    (``clip`` defaults to the paper's range for ``level``; ``objective``: see the module docstring;
+    ``knobs``: the ``loss.*`` keys of its own, declared in config/sections/loss.py under a
+    ``# read by:`` comment naming it). Registering is all it takes for a new loss to be selectable
+    as ``loss.name``."""
     if level not in ("token", "seq"):
         raise ValueError(f"policy loss {name!r}: level must be 'token' or 'seq' (got {level!r})")
     if objective not in ("clipped", "is_weighted"):
@@ -122,7 +126,7 @@ def register_policy_loss(
         POLICY_LOSSES[name] = PolicyLoss(
             name=name, ratio_fn=fn, paper=paper, level=level, perturbed=perturbed, needs_old=needs_old,
             clip=clip or (TOKEN_CLIP if level == "token" else SEQ_CLIP), ratio=ratio, correction=correction,
-            objective=objective,
+            objective=objective, knobs=tuple(knobs),
         )
         return fn
 
@@ -145,11 +149,12 @@ def needs_ref_logprobs(cfg: "LossConfig") -> bool:
 
 def losses_table() -> str:
     """Markdown table of the registered losses (the docs' table is generated from it)."""
-    rows = ["| `loss.name` | paper | clipped ratio | level | correction | perturbed | default clip |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| `loss.name` | paper | clipped ratio | level | correction | perturbed | default clip | own keys |",
+            "|---|---|---|---|---|---|---|---|"]
     for p in POLICY_LOSSES.values():
+        own = ", ".join(f"`loss.{k}`" for k in p.knobs) or "—"
         rows.append(f"| `{p.name}` | {p.paper} | `{p.ratio}` | {p.level} | {p.correction} | "
-                    f"{'yes' if p.perturbed else 'no'} | {p.clip[0]} / {p.clip[1]} |")
+                    f"{'yes' if p.perturbed else 'no'} | {p.clip[0]} / {p.clip[1]} | {own} |")
     return "\n".join(rows)
 
 
@@ -199,7 +204,7 @@ def _alp_token(cfg, inputs, mask):
 
 
 @register_policy_loss("alp_seq", paper="Seq-ALP", level="seq", perturbed=True,
-                      ratio="pi_theta,sigma / pi_rollout (seq_ratio)")
+                      ratio="pi_theta,sigma / pi_rollout (seq_ratio)", knobs=("seq_ratio",))
 def _alp_seq(cfg, inputs, mask):
     return Ratio(_seq_vs_rollout(cfg, inputs, mask))
 
@@ -216,14 +221,16 @@ def _gspo(cfg, inputs, mask):
 
 
 @register_policy_loss("token_mis", paper="Token-MIS", level="token", needs_old=True, ratio="pi_theta / pi_old",
-                      correction="`rho' 1{rho' <= C}`, `rho' = prod_t pi_old / pi_rollout`")
+                      correction="`rho' 1{rho' <= C}`, `rho' = prod_t pi_old / pi_rollout`",
+                      knobs=("mis_threshold", "mis_two_sided"))
 def _token_mis(cfg, inputs, mask):
     weight, masked = _mis_weight(cfg, inputs, mask)
     return Ratio(token_log_ratio(inputs.logprobs, inputs.old_logprobs, mask), weight, masked)
 
 
 @register_policy_loss("seq_mis", paper="Seq-MIS", level="seq", needs_old=True, ratio="pi_theta / pi_old (seq_ratio)",
-                      correction="`rho' 1{rho' <= C}`, `rho' = prod_t pi_old / pi_rollout`")
+                      correction="`rho' 1{rho' <= C}`, `rho' = prod_t pi_old / pi_rollout`",
+                      knobs=("seq_ratio", "mis_threshold", "mis_two_sided"))
 def _seq_mis(cfg, inputs, mask):
     weight, masked = _mis_weight(cfg, inputs, mask)
     lr = seq_log_ratio(token_log_ratio(inputs.logprobs, inputs.old_logprobs, mask), mask, cfg.seq_ratio)
@@ -231,14 +238,15 @@ def _seq_mis(cfg, inputs, mask):
 
 
 @register_policy_loss("token_tis", paper="Token-TIS", level="token", needs_old=True, ratio="pi_theta / pi_old",
-                      correction="`min(pi_old / pi_rollout, C)` per token")
+                      correction="`min(pi_old / pi_rollout, C)` per token", knobs=("tis_threshold",))
 def _token_tis(cfg, inputs, mask):
     old_vs_rollout = token_log_ratio(inputs.old_logprobs, inputs.rollout_logprobs, mask)
     weight = old_vs_rollout.clamp(max=math.log(cfg.tis_threshold)).exp().detach()
     return Ratio(token_log_ratio(inputs.logprobs, inputs.old_logprobs, mask), weight)
 
 
-@register_policy_loss("seq_bypass", paper="Seq-Bypass", level="seq", ratio="pi_theta / pi_rollout (seq_ratio)")
+@register_policy_loss("seq_bypass", paper="Seq-Bypass", level="seq", ratio="pi_theta / pi_rollout (seq_ratio)",
+                      knobs=("seq_ratio",))
 def _seq_bypass(cfg, inputs, mask):
     return Ratio(_seq_vs_rollout(cfg, inputs, mask))
 
@@ -252,7 +260,8 @@ def _cispo(cfg, inputs, mask):
 
 
 @register_policy_loss("icepop", paper="IcePop (Ring-1T)", level="token", needs_old=True, ratio="pi_theta / pi_old",
-                      correction="`k 1{alpha <= k <= beta}`, `k = pi_old / pi_rollout` per token")
+                      correction="`k 1{alpha <= k <= beta}`, `k = pi_old / pi_rollout` per token",
+                      knobs=("icepop_low", "icepop_high"))
 def _icepop(cfg, inputs, mask):
     """Ring-1T's M(k): each token's objective is weighted by its train/engine ratio k and masked
     where k leaves ``[icepop_low, icepop_high]`` (the report's [0.5, 5]): both tails, token by token."""
