@@ -52,7 +52,7 @@ from megatron_alp.tir.sandbox import SandboxExecutor
 from megatron_alp.trainer.base_model import base_model_dir, check_model_dir, make_base_model
 from megatron_alp.trainer.hang_watch import HangWatch, watching
 from megatron_alp.trainer.inputs import check_run_inputs
-from megatron_alp.trainer.memory_plan import check_fits
+from megatron_alp.plan.memory import check_fits
 from megatron_alp.trainer.metrics import (
     batch_metrics,
     data_metrics,
