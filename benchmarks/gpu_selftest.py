@@ -26,11 +26,12 @@ import torch
 
 from megatron_alp.config import RolloutConfig
 from megatron_alp.models.tiny import make_tiny_model
+from megatron_alp.plan.estimates import GiB
+from megatron_alp.plan.memory import memory_plan
+from megatron_alp.plan.phases import PHASES
 from megatron_alp.resolve import load_config
 from megatron_alp.rollout.sglang_engine import sglang_python
 from megatron_alp.runtime.parallel import free_port
-from megatron_alp.trainer.memory_plan import GiB, memory_plan
-from megatron_alp.plan.phases import PHASES
 
 ROOT = Path(__file__).resolve().parents[1]
 # ~0.46B parameters: 24 layers of hidden 1024 / MLP 5504 (the tiny tokenizer keeps the vocabulary small).

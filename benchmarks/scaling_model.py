@@ -25,7 +25,7 @@ already separate keeps its own ``rollout.gpus`` and utilization.
   and KV cache at --hbm-eff) + --step-ms. A replica takes max(its tokens / B steps of B, its
   longest response x a step of 1): throughput-bound or tail-bound. One engine = one replica of TP
   t, the other GPUs idle while it generates.
-- offload: Megatron's offloaded state (megatron_alp.trainer.memory_plan) to pinned host memory and back, and the
+- offload: Megatron's offloaded state (megatron_alp.plan.memory) to pinned host memory and back, and the
   sleeping engine's weights out and back, at --pcie-gbps.
 - logprob passes (old policy if the loss or the mismatch metrics need it, reference if kl_coef > 0)
   and the update (forward + backward, one more forward with recompute: full): 2 x active
@@ -58,8 +58,10 @@ sys.path.insert(0, str(ROOT))
 from megatron_alp.algorithms.balance import partition  # noqa: E402
 from megatron_alp.algorithms.policy_loss import needs_old_logprobs  # noqa: E402
 from megatron_alp.config import Config, ConfigError, apply_overrides  # noqa: E402
+from megatron_alp.plan.architecture import Architecture, resolve_architecture  # noqa: E402
+from megatron_alp.plan.estimates import DTYPE_BYTES  # noqa: E402
+from megatron_alp.plan.memory import memory_plan  # noqa: E402
 from megatron_alp.resolve import config_from_dict, load_config
-from megatron_alp.trainer.memory_plan import DTYPE_BYTES, Architecture, memory_plan, resolve_architecture  # noqa: E402
 
 CONFIGS = ["configs/qwen2.5-math-1.5b_token_alp.yaml", "configs/qwen2.5-7b_tir_seq_alp.yaml",
            "configs/qwen3-30b-a3b_seq_alp.yaml"]

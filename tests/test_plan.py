@@ -14,8 +14,10 @@ from helpers import MODELS
 
 from megatron_alp.cli import main
 from megatron_alp.config import ConfigError
+from megatron_alp.models.families import PUBLISHED
+from megatron_alp.plan.layout import default_gpus
+from megatron_alp.plan.memory import check_fits, memory_plan
 from megatron_alp.resolve import config_from_dict, load_config
-from megatron_alp.trainer.memory_plan import PUBLISHED, check_fits, default_gpus, memory_plan
 from megatron_alp.training import dist_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]

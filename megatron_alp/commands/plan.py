@@ -1,5 +1,5 @@
 """`megatron-alp plan CONFIG [--gpus N] [--gpu-mem GIB]`: the per-GPU memory of every phase of a
-run (:mod:`megatron_alp.trainer.memory_plan`), and whether it fits; refuses a layout that does not,
+run (:mod:`megatron_alp.plan.memory`), and whether it fits; refuses a layout that does not,
 naming the keys to change."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import argparse
 
 from megatron_alp.config import ConfigError
 from megatron_alp.resolve import load_config
-from megatron_alp.trainer.memory_plan import DEFAULT_GPU_MEM_GIB, default_gpus, memory_plan
+from megatron_alp.plan.layout import default_gpus
+from megatron_alp.plan.memory import DEFAULT_GPU_MEM_GIB, memory_plan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

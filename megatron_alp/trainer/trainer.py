@@ -35,6 +35,7 @@ from megatron_alp.config import Config, InputError
 from megatron_alp.data.prompts import load_tokenizer, pad_id, training_sampler
 from megatron_alp.diagnostics.figures import make_plots
 from megatron_alp.models.families import hf_to_megatron, load_hf_config
+from megatron_alp.plan.memory import check_fits
 from megatron_alp.plan.phases import PHASES
 from megatron_alp.plan.shape import RunShape
 from megatron_alp.rewards import build_reward
@@ -50,7 +51,6 @@ from megatron_alp.tir.sandbox import SandboxExecutor
 from megatron_alp.trainer.base_model import run_model_dir
 from megatron_alp.trainer.checkpointer import Checkpointer
 from megatron_alp.trainer.hang_watch import HangWatch, watching
-from megatron_alp.trainer.memory_plan import check_fits
 from megatron_alp.trainer.metrics import dump_token_probs, iteration_metrics, run_summary, staleness_metrics
 from megatron_alp.trainer.phases import PhaseRunner, kill_engine_at_rollout, memory_in_use, peak_memory, timed
 from megatron_alp.trainer.run_dir import checkpoint_dir, claim_run_dir, open_run_logger, write_config
