@@ -134,7 +134,7 @@ def test_the_trainer_reads_on_a_screen():
     it does not grow their work back into itself."""
     tree = MODULES["megatron_alp.trainer.trainer"]
     trainer = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "RLTrainer")
-    assert _span(trainer) <= 240
+    assert _span(trainer) <= 230
     iteration = next(f for f in trainer.body if isinstance(f, ast.FunctionDef) and f.name == "train_iteration")
     assert _span(iteration) <= 40
     imported = {t for t in GRAPH["megatron_alp.trainer.trainer"]}

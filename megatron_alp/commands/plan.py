@@ -1,15 +1,17 @@
-"""`megatron-alp plan CONFIG [--gpus N] [--gpu-mem GIB]`: the per-GPU memory of every phase of a
-run (:mod:`megatron_alp.plan.memory`), and whether it fits; refuses a layout that does not,
-naming the keys to change."""
+"""`megatron-alp plan CONFIG [--gpus N] [--gpu-mem GIB]`: what a run does (its shape: models,
+passes, when calibration, validation and checkpoints come; :mod:`megatron_alp.plan.shape`), the
+per-GPU memory of every phase it runs (:mod:`megatron_alp.plan.memory`), and whether it fits;
+refuses a layout that does not, naming the keys to change."""
 
 from __future__ import annotations
 
 import argparse
 
 from megatron_alp.config import ConfigError
-from megatron_alp.resolve import load_config
 from megatron_alp.plan.layout import default_gpus
 from megatron_alp.plan.memory import DEFAULT_GPU_MEM_GIB, memory_plan
+from megatron_alp.plan.shape import RunShape
+from megatron_alp.resolve import load_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides, gpu=True)  # a plan is for GPUs, whatever runs it
     gpus = args.gpus if args.gpus is not None else default_gpus(cfg)
     plan = memory_plan(cfg, gpus, args.gpu_mem, nproc_per_node=args.nproc_per_node)
+    print("\n".join(["what the run does:", *(f"  {line}" for line in RunShape.of(cfg).describe()), ""]), flush=True)
     print(plan.report(), flush=True)
     if not plan.fits:
         raise ConfigError(plan.refusal())

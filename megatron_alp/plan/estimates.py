@@ -79,6 +79,7 @@ from typing import Optional
 from megatron_alp.config import Config
 from megatron_alp.plan.architecture import Architecture
 from megatron_alp.plan.layout import Layout
+from megatron_alp.plan.shape import RunShape
 from megatron_alp.training.dist_checkpoint import SaveTransient, save_transient
 from megatron_alp.training.logprobs import CHUNK_ELEMENTS
 
@@ -163,7 +164,7 @@ def megatron_state(cfg: Config, arch: Architecture, lay: Layout, dense: int, exp
         items = [Item("weights", f"policy weights ({cfg.model.dtype}): frozen base + LoRA",
                       items[0].nbytes + params * b,
                       f"{items[0].basis} + {fmt_count(params)} adapter params (rank {cfg.lora.rank}) x {b} B")]
-    elif cfg.loss.kl_coef > 0:
+    elif RunShape.of(cfg).reference == "model":
         items.append(Item("reference", f"reference weights ({cfg.model.dtype})", params * b,
                           "same, no gradients (loss.kl_coef > 0)"))
     what = "adapter " if cfg.lora.enabled else ""

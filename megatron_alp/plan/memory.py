@@ -13,11 +13,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import torch
+
 from megatron_alp.config import Config, ConfigError
 from megatron_alp.plan.advice import advice
 from megatron_alp.plan.architecture import resolve_architecture
 from megatron_alp.plan.peaks import count_peaks
 from megatron_alp.plan.report import MemoryPlan
+from megatron_alp.runtime.platform import has_gpu
 
 DEFAULT_GPU_MEM_GIB = 80.0  # H100 80GB
 
@@ -41,6 +44,14 @@ def memory_plan(cfg: Config, gpus: int, gpu_mem_gib: float, hf_config: Optional[
     if plan.fits:
         return plan
     return dataclasses.replace(plan, advice=advice(cfg, gpus, gpu_mem_gib, hf, source, plan, nproc_per_node))
+
+
+def check_fits_here(cfg: Config, world_size: int, nproc_per_node: int) -> Optional[MemoryPlan]:
+    """:func:`check_fits` on this machine's GPU (the trainer's start-up check); None on a CPU."""
+    if not has_gpu():
+        return None
+    return check_fits(cfg, world_size, torch.cuda.get_device_properties(0).total_memory / 2**30,
+                      nproc_per_node=nproc_per_node)
 
 
 def check_fits(cfg: Config, gpus: int, gpu_mem_gib: float, hf_config: Optional[dict] = None,

@@ -45,6 +45,7 @@ from megatron_alp.plan.layout import Layout
 from megatron_alp.plan.notes import notes, offloaded_bytes
 from megatron_alp.plan.phases import PHASES, PhaseSpec
 from megatron_alp.plan.report import HEADROOM, MemoryPlan, Phase
+from megatron_alp.plan.shape import RunShape
 from megatron_alp.rollout.base import resolve_max_model_len
 from megatron_alp.training.calibration import LAYER_PROBE_TOKENS
 from megatron_alp.training.offload import parts_of
@@ -180,10 +181,11 @@ def _table_rows(cfg: Config, arch: Architecture, lay: Layout, engine: EngineMemo
     """The rows besides training and rollout, each counted as the first phase of the table that
     falls in it; a phase the config never runs holds nothing."""
     rows: dict[str, Phase] = {}
+    shape = RunShape.of(cfg)
     for spec in PHASES.values():
         if spec.plan_row in ("training", "rollout") or spec.plan_row in rows:
             continue
-        why = spec.runs(cfg)
+        why = shape.skipped.get(spec.name)
         rows[spec.plan_row] = (Phase(spec.name, spec.title, "", (), not_run=why) if why else
                                _table_phase(cfg, arch, lay, spec, engine))
     return rows

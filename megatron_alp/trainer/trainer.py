@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
@@ -35,7 +34,7 @@ from megatron_alp.config import Config, InputError
 from megatron_alp.data.prompts import load_tokenizer, pad_id, training_sampler
 from megatron_alp.diagnostics.figures import make_plots
 from megatron_alp.models.families import hf_to_megatron, load_hf_config
-from megatron_alp.plan.memory import check_fits
+from megatron_alp.plan.memory import check_fits_here
 from megatron_alp.plan.phases import PHASES
 from megatron_alp.plan.shape import RunShape
 from megatron_alp.rewards import build_reward
@@ -43,7 +42,6 @@ from megatron_alp.rollout import DistributedRollout
 from megatron_alp.rollout.placement import pin_trainer_cores
 from megatron_alp.runtime.console import say
 from megatron_alp.runtime.parallel import destroy_distributed, init_distributed
-from megatron_alp.runtime.platform import has_gpu
 from megatron_alp.runtime.preemption import Preempted, StopRequests
 from megatron_alp.runtime.run_log import read_metrics
 from megatron_alp.runtime.seeding import derive_seed, seed_everything
@@ -95,9 +93,7 @@ class RLTrainer:
         if self.rank == 0:
             write_config(self.run_dir, cfg)
         check_batch_layout(cfg.trainer, cfg.rollout.sampling.n, ps.get_data_parallel_world_size())
-        if has_gpu():
-            check_fits(cfg, dist.get_world_size(), torch.cuda.get_device_properties(0).total_memory / 2**30,
-                       nproc_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
+        check_fits_here(cfg, dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
         # TIR: code runs on rank 0 only and its output is broadcast, so every rank's episodes agree; the
         # sandbox starts first so that a machine without full isolation refuses before any model loads
         self.executor = SandboxExecutor(cfg.tir.sandbox) if cfg.tir.enabled and self.rank == 0 else None
