@@ -1,1 +1,2 @@
-"""The `megatron-alp` commands, one module each, and the context they share (:mod:`.context`)."""
+"""The `megatron-alp` commands, one module each, the session they work in (:mod:`.session`) and the
+context they share (:mod:`.context`)."""
