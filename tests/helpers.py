@@ -70,7 +70,7 @@ def running(pid: int) -> bool:
     """Whether ``pid`` is a live process (an exited one that nobody reaped yet is not)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone, or going between the open and the read
         return False
     return state not in ("Z", "X")
 
