@@ -69,6 +69,19 @@ def _registry_errors(section: BaseModel, prefix: str) -> list[tuple[str, str, An
     return errors
 
 
+def _engine_options(cfg: Config) -> list[tuple[str, str, Any]]:
+    """A key another engine declares as its own (:attr:`RolloutEngine.options`), set in the config:
+    the chosen engine would ignore it."""
+    errors = []
+    for name, engine in ENGINES.items():
+        for key in engine.options:
+            if name != cfg.rollout.engine and key in cfg.rollout.model_fields_set:
+                errors.append((f"rollout.{key}", f"an option of rollout.engine {name}, which this run does not use "
+                               f"(rollout.engine: {cfg.rollout.engine}); remove it or choose that engine",
+                               getattr(cfg.rollout, key)))
+    return errors
+
+
 def _perturbation(cfg: Config, gpu: bool) -> None:
     """``perturbation.enabled`` follows the loss (refusing a contradiction), and what needs it."""
     spec, pert = get_policy_loss(cfg.loss.name), cfg.perturbation
@@ -204,6 +217,7 @@ def resolve(cfg: Config, source: str = "<dict>", gpu: Optional[bool] = None) -> 
     run targets GPUs (default: this machine has one, :func:`~megatron_alp.runtime.platform.has_gpu`)."""
     errors = _registry_errors(cfg, "")
     if not errors:
+        errors += _engine_options(cfg)
         try:
             ENGINES[cfg.rollout.engine].check_config(cfg.rollout)
         except ValueError as err:

@@ -177,6 +177,11 @@ def test_registries_are_the_one_list_of_their_members():
     for family in FAMILIES:
         assert config_from_dict({"model": {"tiny": family}}).model.tiny == family
     assert set(VLLMEngine.sync_methods) == {t.method for t in TRANSPORTS}
+    from megatron_alp.config import RolloutConfig
+    from megatron_alp.rollout.base import ENGINES
+
+    owned = [key for engine in ENGINES.values() for key in engine.options]
+    assert set(owned) <= set(RolloutConfig.model_fields) and len(owned) == len(set(owned)), owned
 
     from megatron_alp.config import Config
 
@@ -195,6 +200,10 @@ def test_registries_are_the_one_list_of_their_members():
     ({"model": {"tiny": "qwen2"}, "reward": {"name": "bleu"}}, "reward.name: unknown reward 'bleu'"),
     ({"model": {"tiny": "qwen2"}, "rollout": {"engine": "trt"}}, "rollout.engine: unknown rollout engine 'trt'"),
     ({"model": {"tiny": "qwen2"}, "rollout": {"sync_method": "nfs"}}, "rollout.sync_method: unknown weight sync method"),
+    ({"model": {"tiny": "qwen2"}, "rollout": {"sglang_port": 31000}},
+     "rollout.sglang_port: an option of rollout.engine sglang, which this run does not use"),
+    ({"model": {"tiny": "qwen2"}, "rollout": {"engine": "sglang", "engine_process": "subprocess"}},
+     "rollout.engine_process: an option of rollout.engine vllm"),
 ])
 def test_registry_names_are_checked_when_the_config_is_resolved(data, message):
     from megatron_alp.config import ConfigError

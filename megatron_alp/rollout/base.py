@@ -171,6 +171,8 @@ class RolloutEngine(abc.ABC):
     # Whether the engine can apply LoRA adapters itself (``lora.sync: adapter``): started with LoRA
     # on (``lora_rank``), it loads the base weights once and :meth:`update_adapter` sends only A and B.
     takes_adapters: ClassVar[bool] = False
+    # The keys of the rollout section that are this engine's own: set under another engine, resolving refuses them.
+    options: ClassVar[tuple[str, ...]] = ()
     # Set by the replica's producer when partial rollouts are on.
     interruption: Optional[Interruption] = None
 

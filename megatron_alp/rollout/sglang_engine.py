@@ -144,6 +144,8 @@ def decode_routed_experts(meta: dict, fed: int, layers: int, topk: int, experts:
 
 @register_engine("sglang")
 class SGLangEngine(RolloutEngine):
+    options = ("sglang_port", "sglang_args", "sglang_python")
+
     @classmethod
     def check_config(cls, cfg: RolloutConfig) -> None:
         super().check_config(cfg)

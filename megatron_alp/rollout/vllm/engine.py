@@ -86,6 +86,7 @@ class VLLMEngine(RolloutEngine):
     partial_rollouts = True
     captures_layers = True
     takes_adapters = True
+    options = ("engine_process",)
 
     @classmethod
     def check_config(cls, cfg: RolloutConfig) -> None:
