@@ -125,7 +125,8 @@ class RLTrainer:
         self.phases.enter("model_build")
         with watching(self.phases.watch):  # checksums, HF weights and a checkpoint, read from shared storage
             ckpt = self.checkpointer.latest() if self.cfg.trainer.resume else None
-            self.learner = Learner.for_run(self.args, self.cfg, self.model_dir, self.pad_id, resuming=ckpt is not None)
+            self.learner = Learner.for_run(self.args, self.cfg, self.model_dir, self.pad_id, resuming=ckpt is not None,
+                                           reference=self.shape.reference)
             state = self.checkpointer.load(ckpt, self.learner, self.cfg.perturbation.enabled) if ckpt else None
         if ckpt is not None and self.rank == 0:
             say(f"resumed from {ckpt} at iteration {state['iteration']}, step {state['step']}")

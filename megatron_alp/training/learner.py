@@ -16,7 +16,6 @@ from typing import Optional
 import torch
 from megatron.core import parallel_state as ps
 
-from megatron_alp.algorithms.policy_loss import needs_ref_logprobs
 from megatron_alp.config import Config, ParallelConfig, PerturbationConfig
 from megatron_alp.models.families import MegatronModelArgs
 from megatron_alp.models.lora import adapters_disabled
@@ -46,15 +45,18 @@ class Learner:
 
     @classmethod
     def for_run(cls, args: MegatronModelArgs, cfg: Config, model_dir: str | Path, pad_id: int, *,
-                resuming: bool) -> "Learner":
+                resuming: bool, reference: Optional[str]) -> "Learner":
         """A training run's learner: the policy from ``model.load`` or ``model_dir`` (``resuming``: a
-        checkpoint of the run replaces every weight next), the reference when ``loss.kl_coef > 0``."""
+        checkpoint of the run replaces every weight next), and the reference the run shape names
+        (:attr:`~megatron_alp.plan.shape.RunShape.reference`: ``model``, ``adapters_off`` or None)."""
         total_steps = cfg.trainer.iterations * cfg.trainer.updates_per_iteration
         policy = build_policy(args, cfg, model_dir, total_steps, resuming=resuming)
-        reference = None
-        if needs_ref_logprobs(cfg.loss):
-            reference = policy.model if cfg.lora.enabled else build_reference(args, cfg, cfg.model.load or model_dir)
-        return cls(cfg, policy, reference, pad_id)
+        frozen = None
+        if reference == "adapters_off":
+            frozen = policy.model
+        elif reference == "model":
+            frozen = build_reference(args, cfg, cfg.model.load or model_dir)
+        return cls(cfg, policy, frozen, pad_id)
 
     @classmethod
     def from_weights(cls, args: MegatronModelArgs, cfg: Config, weights: str | Path, pad_id: int, *,
