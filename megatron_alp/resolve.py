@@ -70,12 +70,14 @@ def _registry_errors(section: BaseModel, prefix: str) -> list[tuple[str, str, An
 
 
 def _engine_options(cfg: Config) -> list[tuple[str, str, Any]]:
-    """A key another engine declares as its own (:attr:`RolloutEngine.options`), set in the config:
-    the chosen engine would ignore it."""
+    """A key another engine declares as its own (:attr:`RolloutEngine.options`), set to other than its
+    default (a config dumped whole and read back sets every key): the chosen engine would ignore it."""
     errors = []
+    fields = type(cfg.rollout).model_fields
     for name, engine in ENGINES.items():
         for key in engine.options:
-            if name != cfg.rollout.engine and key in cfg.rollout.model_fields_set:
+            default = fields[key].get_default(call_default_factory=True)
+            if name != cfg.rollout.engine and getattr(cfg.rollout, key) != default:
                 errors.append((f"rollout.{key}", f"an option of rollout.engine {name}, which this run does not use "
                                f"(rollout.engine: {cfg.rollout.engine}); remove it or choose that engine",
                                getattr(cfg.rollout, key)))

@@ -213,6 +213,17 @@ def test_registry_names_are_checked_when_the_config_is_resolved(data, message):
         config_from_dict(data)
 
 
+def test_engine_options_at_their_defaults_are_no_refusal():
+    """A config dumped whole and read back (the plan's advice, the scaling model) names every key,
+    another engine's too, at its default: that is not setting it."""
+    from megatron_alp.resolve import config_from_dict
+
+    cfg = config_from_dict({"model": {"tiny": "qwen2"}})
+    assert config_from_dict(cfg.model_dump()).model_dump() == cfg.model_dump()
+    sglang = config_from_dict({"model": {"tiny": "qwen2"}, "rollout": {"engine": "sglang", "sglang_port": 31000}})
+    assert config_from_dict(sglang.model_dump()).rollout.sglang_port == 31000
+
+
 def test_the_trainer_refuses_an_unresolved_config():
     from megatron_alp.config import validate_schema
     from megatron_alp.resolve import resolve
