@@ -8,7 +8,8 @@ weight sync: a collective (:func:`gather_full`, which the PEFT adapter export sh
 each tensor across TP, EP and PP in bounded buckets and yields HF-named full tensors, on every rank
 or only on the ranks that ask for them (the engines' leaders). A model with LoRA adapters exports
 its merged weights ``W + s B A``, never the adapters themselves. Both place weights by
-:mod:`megatron_alp.models.weight_mapping`.
+:mod:`megatron_alp.models.weight_mapping`. :mod:`megatron_alp.models.hf_delta` streams the same
+weights as exact deltas against what the receivers already hold.
 :func:`write_hf_folder` writes such a stream as an HF directory, for the export and for the
 rollout engines that reload from disk alike. Megatron-Core is imported inside the functions that
 use it: the rollout engines (and so config validation) import this module.
@@ -308,11 +309,12 @@ def load_hf_weights(model, hf_dir) -> None:
 
 
 class ExportPlan:
-    """Who owns which full tensor: (pipeline stage, expert-parallel rank or None), plus shapes,
-    and the (pipeline stage, expert-parallel rank) of every global rank. ``local`` holds this
-    rank's tensors by a name that is the same on every rank; ``order`` is the export order, and a
-    name no rank holds is an error when ``required`` (the model's weights), else skipped (adapters,
-    which only the target layers have)."""
+    """Who owns which full tensor: (pipeline stage, expert-parallel rank or None), plus shapes, how
+    each is split over its tensor-parallel group (``splits``: name -> (partition dim or None, group
+    size), for ranks that hold no shard of it), and the (pipeline stage, expert-parallel rank) of
+    every global rank. ``local`` holds this rank's tensors by a name that is the same on every rank;
+    ``order`` is the export order, and a name no rank holds is an error when ``required`` (the
+    model's weights), else skipped (adapters, which only the target layers have)."""
 
     def __init__(self, model, local: dict[str, LocalTensor], order: Iterable[str], *, required: bool = True):
         from megatron.core import parallel_state as ps
@@ -321,7 +323,8 @@ class ExportPlan:
         pp_rank = ps.get_pipeline_model_parallel_rank()
         ep_rank = ps.get_expert_model_parallel_rank() if model.config.num_moe_experts else 0
         mine = {
-            name: (pp_rank, ep_rank if p.expert else None, p.full_shape, str(p.param.dtype).removeprefix("torch."))
+            name: (pp_rank, ep_rank if p.expert else None, p.full_shape, str(p.param.dtype).removeprefix("torch."),
+                   (p.partition_dim, p.tp_size))
             for name, p in local.items()
         }
         parts: list = [None] * dist.get_world_size()
@@ -330,14 +333,19 @@ class ExportPlan:
         owners: dict = {}
         for _, part in parts:
             owners.update(part)
-        self.entries = []
+        self.entries, self.splits = [], {}
         for name in order:
             if name not in owners:
                 if required:
                     raise RuntimeError(f"no rank holds Megatron parameter {name}; cannot export the model")
                 continue
-            stage, ep_owner, shape, dtype = owners[name]
+            stage, ep_owner, shape, dtype, self.splits[name] = owners[name]
             self.entries.append((name, stage, ep_owner, shape, getattr(torch, dtype)))
+
+    def owns(self, rank: int, stage: int, ep_owner: Optional[int]) -> bool:
+        """Whether global ``rank`` holds the shards of (``stage``, ``ep_owner``)'s tensors."""
+        pp, ep = self.coords[rank]
+        return pp == stage and (ep_owner is None or ep == ep_owner)
 
     def buckets(self, bucket_bytes: int):
         """Consecutive entries with one owner and dtype, at most ``bucket_bytes`` (or one tensor)."""
@@ -359,8 +367,7 @@ class ExportPlan:
         receiver that owns none: the receivers in rank order dealt round robin over the owners (every
         rank of that stage, and expert-parallel rank, holds the bucket after the TP all-gather), so
         no owner serves more than its share of receivers."""
-        owners = [r for r, (pp, ep) in enumerate(self.coords)
-                  if pp == stage and (ep_owner is None or ep == ep_owner)]
+        owners = [r for r in range(len(self.coords)) if self.owns(r, stage, ep_owner)]
         needy = [r for r in receivers if r not in owners]
         return {r: owners[i % len(owners)] for i, r in enumerate(needy)}
 
@@ -389,15 +396,32 @@ def iter_hf_weights(model, bucket_bytes: int = 512 << 20, receivers: Optional[It
     from megatron.core.utils import unwrap_model
 
     model = unwrap_model(model)
+    plan, mapping, matches = export_plan(model)
+    for name, full in gather_full(model, plan, bucket_bytes, receivers):
+        yield from mapping.to_hf(matches[name], full)
+
+
+def export_plan(model) -> tuple[ExportPlan, WeightMapping, dict[str, Match]]:
+    """The export plan of a (unwrapped) model's weights, its mapping and its matches by Megatron
+    name; made once per model (collective the first time) and cached on it."""
     cached = getattr(model, "_hf_export_plan", None)
     if cached is None:
         mapping = WeightMapping.from_model(model)
         local = {p.match.name: p for p in local_params(model, mapping) if not _tied_copy(p)}
         matches = {m.name: m for m in mapping.matches()}
         cached = model._hf_export_plan = (ExportPlan(model, local, matches), mapping, matches)
-    plan, mapping, matches = cached
-    for name, full in gather_full(model, plan, bucket_bytes, receivers):
-        yield from mapping.to_hf(matches[name], full)
+    return cached
+
+
+def check_receivers(receivers: Optional[Iterable[int]]) -> Optional[list[int]]:
+    """``receivers`` sorted without repeats (None stays None: every rank), refused unless they are
+    ranks of this job."""
+    if receivers is None:
+        return None
+    wanted = sorted(set(receivers))
+    if wanted and not 0 <= wanted[0] <= wanted[-1] < dist.get_world_size():
+        raise ValueError(f"receivers {wanted}: not ranks of this {dist.get_world_size()}-rank job")
+    return wanted
 
 
 def gather_full(model, plan: ExportPlan, bucket_bytes: int, receivers: Optional[Iterable[int]] = None
@@ -417,9 +441,7 @@ def gather_full(model, plan: ExportPlan, bucket_bytes: int, receivers: Optional[
     from megatron.core import parallel_state as ps
 
     rank = dist.get_rank()
-    wanted = None if receivers is None else sorted(set(receivers))
-    if wanted and not 0 <= wanted[0] <= wanted[-1] < dist.get_world_size():
-        raise ValueError(f"receivers {wanted}: not ranks of this {dist.get_world_size()}-rank job")
+    wanted = check_receivers(receivers)
     pp_rank = ps.get_pipeline_model_parallel_rank()
     pp_size = ps.get_pipeline_model_parallel_world_size()
     ep_rank = ps.get_expert_model_parallel_rank() if model.config.num_moe_experts else 0
@@ -450,7 +472,7 @@ def gather_full(model, plan: ExportPlan, bucket_bytes: int, receivers: Optional[
                     group = ps.get_pipeline_model_parallel_group()
                     dist.broadcast(flat, src=dist.get_global_rank(group, stage), group=group)
             else:
-                _send_to_receivers(flat, rank, sources)
+                send_to_receivers(flat, rank, sources)
                 if rank not in wanted:
                     continue
             for (name, _, _, shape, _), piece in zip(bucket, torch.split(flat, sizes)):
@@ -458,7 +480,7 @@ def gather_full(model, plan: ExportPlan, bucket_bytes: int, receivers: Optional[
             del flat
 
 
-def _send_to_receivers(flat: torch.Tensor, rank: int, sources: dict[int, int]) -> None:
+def send_to_receivers(flat: torch.Tensor, rank: int, sources: dict[int, int]) -> None:
     """This rank's part of one bucket's delivery (``sources``: receiver -> owner): the sends it was
     dealt and its receive, on the default group, whose backend takes the bucket on the model's
     device (NCCL on GPUs, gloo on the CPU)."""
