@@ -124,7 +124,7 @@ def train(config: Path, run_dir: Path, overrides: list[str]) -> float:
         rc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=log,
                             stderr=subprocess.STDOUT).returncode
     if rc != 0:
-        raise SystemExit(f"lora_sizes: {run_dir.name} failed (exit {rc}): see {run_dir / 'train.log'}")
+        raise SystemExit(f"the {run_dir.name} run failed (exit {rc}): see {run_dir / 'train.log'}")
     return time.time() - started
 
 

@@ -28,6 +28,7 @@ from megatron_alp.resolve import load_config
 from megatron_alp.rewards import RewardFn
 from megatron_alp.rollout.base import ENGINES, Completion, RolloutEngine, register_engine
 from megatron_alp.rollout.distributed import Batch, generate_work
+from megatron_alp.sync import AdapterWeights, WeightSync
 from megatron_alp.runtime.seeding import derive_seed
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart_cpu.yaml"
@@ -370,7 +371,7 @@ def test_ahead_by_k_resume_state_is_before_the_oldest_batch_not_yet_trained_on()
 def test_ahead_by_k_on_the_distributed_rollout_and_its_background_producer():
     """AheadByK on the real DistributedRollout (background=True: one RolloutProducer thread), the
     test's engine registered as any engine is; weight versions move by the rollout's own sync
-    (sync_adapter: a stream the engine takes, no model needed)."""
+    (an adapter sync: a stream the engine takes, no model needed)."""
     name = "scripted-test-engine"
     register_engine(name)(type("RegisteredScriptedEngine", (ScriptedEngine,), {}))
     rollout = None
@@ -384,9 +385,10 @@ def test_ahead_by_k_on_the_distributed_rollout_and_its_background_producer():
         engine = rollout.engine
         source = ahead(cfg, rollout, sampler(cfg))
         batches, _ = draws(cfg, 4)
+        weights = WeightSync(rollout, AdapterWeights(lambda model, leaders: {}, {}))
 
         def sync(version):
-            rollout.sync_adapter(None, lambda leaders: {}, {}, version=version)
+            weights.sync(None, version=version)
 
         def wait_for_calls(count):
             deadline = time.time() + 10

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from megatron_alp.config import RolloutConfig
-from megatron_alp.rollout import distributed
+from megatron_alp.rollout import replicas
 from megatron_alp.rollout.base import RolloutEngine
-from megatron_alp.rollout.distributed import DistributedRollout, probe_leader
+from megatron_alp.rollout.distributed import DistributedRollout
+from megatron_alp.rollout.replicas import probe_leader
 from megatron_alp.rollout.engine_memory import SGLangMemory, VLLMMemory
 from megatron_alp.rollout.placement import ReplicaLayout
 from megatron_alp.rollout.sglang_engine import server_command
@@ -185,7 +186,7 @@ def colocated(monkeypatch):
     monkeypatch.setenv(STRICT_ENV, "1")
 
     def make(engine: StandInEngine) -> PhaseRunner:
-        monkeypatch.setattr(distributed, "build_engine", lambda *args, **kwargs: engine)
+        monkeypatch.setattr(replicas, "build_engine", lambda *args, **kwargs: engine)
         rollout = DistributedRollout(RolloutConfig(), "unused", seed=0)
         assert rollout.sleeps and rollout.engine is engine
         runner = PhaseRunner()

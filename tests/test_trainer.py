@@ -101,6 +101,27 @@ def test_sigkill_during_save_resumes_to_the_same_metrics(sync_run, tmp_path):
         _same_metrics(a, b)
 
 
+def test_a_delta_synced_run_trains_as_the_full_sync_run(sync_run, tmp_path):
+    """rollout.sync_delta: the shared run again, each sync after the first sending only the elements
+    that changed: the engine generates from the same weights (its verification probe agrees after
+    every sync), so the run trains to the same metrics, iteration by iteration. At the quickstart's
+    learning rate (1e-4) about two thirds of the bf16 elements change per iteration, so shards go whole
+    and the payload stays about the dense size (never more: benchmarks/bench_sync.py shows the savings
+    at RL learning rates)."""
+    run = copy_run(sync_run, tmp_path / "delta", base_model_only=True)
+    rc, out = train(run, *SYNC_RUN, "trainer.save_interval=3", "rollout.sync_delta=true")
+    assert rc == 0, out[-6000:]
+    delta = metrics(run)
+    assert [r["iteration"] for r in delta] == [0, 1, 2]
+    for a, b in zip(metrics(sync_run), delta):
+        _same_metrics(a, b)
+        assert a["reward/mean"] == b["reward/mean"] and a["response_length/mean"] == b["response_length/mean"]
+    assert [r["sync/anchor"] for r in delta] == [1.0, 0.0, 0.0]
+    for r in delta[1:]:
+        assert 0 < r["sync/changed_frac"] < 1 and r["sync/delta_bytes"] < 1.01 * r["sync/bytes"], r
+        assert r["sync/verify_mean_abs_diff"] < 2e-2, r
+
+
 def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(sync_run, tmp_path):
     """The newest checkpoint's largest shard cut short after the save (a failing file system, a bad
     copy): the resume says so in one line, takes the checkpoint before it, and trains to the metrics

@@ -18,6 +18,7 @@ from megatron_alp.config import LoRAConfig
 from megatron_alp.rollout import RolloutError, SamplingParams, build_engine
 from megatron_alp.rollout.base import get_engine
 from megatron_alp.rollout.distributed import DistributedRollout
+from megatron_alp.sync import AdapterWeights, WeightSync
 from megatron_alp.rollout.vllm.adapters import max_lora_rank
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -124,7 +125,8 @@ def test_adapter_sync_samples_what_the_merged_model_samples(tmp_path, tiny_model
         with pytest.raises(RolloutError, match=r"adapter rank r=16, but the engine takes ranks 1 to 8 \(lora.rank\)"):
             engine.update_adapter(adapter1, {**config1, "r": 16})
         leaders = []
-        stats = rollout.sync_adapter(None, lambda ranks: leaders.extend(ranks) or adapter1, config1, version=1)
+        adapter = AdapterWeights(lambda model, ranks: leaders.extend(ranks) or adapter1, config1)
+        stats = WeightSync(rollout, adapter).sync(None, version=1)
         nbytes = sum(t.numel() * t.element_size() for t in adapter1.values())
         assert leaders == [0] and rollout.version == 1
         assert stats["sync/bytes"] == nbytes and stats["sync/tensors"] == len(adapter1)

@@ -124,6 +124,18 @@ def test_tp2_and_pp2_trainers_feed_one_engine(dist_jobs, method):
         assert r[layout]["sync/verify_mean_abs_diff"] < 1e-3
 
 
+DELTA = dist_job("weight_sync_delta", "check_weight_sync.py", "delta", "{dir}", nproc=1)
+
+
+@DELTA
+def test_delta_syncs_leave_the_engine_as_a_full_sync_would(dist_jobs):
+    """tests/dist/check_weight_sync.py delta: N delta syncs, an engine restart, a fresh process and a
+    drifted leader copy each end with the engine's parameters equal to a full sync's, bit for bit."""
+    r = read_results(dist_jobs.run("weight_sync_delta") / "r.json")["delta"]
+    for frac, nbytes in r["changed_frac_and_bytes"]:
+        assert 0.005 < frac < 0.05 and nbytes < r["full_bytes"] / 4, (frac, nbytes, r["full_bytes"])
+
+
 def test_layer_buckets_end_only_between_decoder_layers():
     names = ["model.embed_tokens.weight", "lm_head.weight"]
     for i in range(3):

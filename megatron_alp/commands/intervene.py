@@ -233,7 +233,7 @@ def measure(cfg: Config, arms: dict[Arm, Config], *, checkpoint: str, model_dir:
         reference = session.scorer(checkpoint)  # the checkpoint, unperturbed: the engine's weights and the reference
         engine = session.engine()
         if kind == "megatron":
-            engine.sync_weights(reference)
+            session.sync_weights(reference)
         batches = [_rollout_batch(cfg, engine, reward_fn, dataset, prompts=prompts, seed=seed + i, pad=session.pad_id)
                    for i in range(seeds)]
         session.close_engine()

@@ -77,7 +77,7 @@ def measure(cfg: Config, model_dir: str, *, prompts: int, n: Optional[int], max_
         model = session.scorer(cfg.model.load or model_dir, perturbation=cfg.perturbation)
         engine = session.engine(rollout_cfg)
         if cfg.model.load is not None:
-            engine.sync_weights(model)
+            session.sync_weights(model)
         t0 = time.time()
         trajectories = sample(engine, [p.prompt_ids for p in data], params, TIRConfig())
         seconds = time.time() - t0

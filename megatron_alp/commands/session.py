@@ -22,6 +22,7 @@ from megatron_alp.config import Config, ParallelConfig, PerturbationConfig, Roll
 from megatron_alp.data.prompts import PromptDataset, load_tokenizer, pad_id
 from megatron_alp.models.families import MegatronModelArgs, hf_to_megatron, load_hf_config
 from megatron_alp.rollout import DistributedRollout, build_engine
+from megatron_alp.sync import FullWeights, WeightSync
 from megatron_alp.training.learner import Learner
 from megatron_alp.training.policy import build_reference
 from megatron_alp.training.policy_update import probe_mismatch
@@ -34,7 +35,7 @@ class Session:
         Megatron's weights); else a plain engine (``eval``)."""
         self.cfg, self.model_dir, self.seed, self.megatron = cfg, str(model_dir), seed, megatron
         self._stack = contextlib.ExitStack()
-        self._engine = None
+        self._engine = self._sync = None
 
     def __enter__(self) -> "Session":
         if self.megatron:
@@ -68,13 +69,20 @@ class Session:
         """The rollout engine (``rollout``: other settings than the config's), started on first use."""
         if self._engine is None:
             rollout = rollout or self.cfg.rollout
-            self._engine = (DistributedRollout(rollout, self.model_dir, seed=self.seed, scorer=probe_mismatch)
-                            if self.megatron else build_engine(rollout, self.model_dir, self.seed))
+            if self.megatron:
+                self._engine = DistributedRollout(rollout, self.model_dir, seed=self.seed)
+                self._sync = WeightSync(self._engine, FullWeights(rollout.sync_bucket_mb << 20), scorer=probe_mismatch)
+            else:
+                self._engine = build_engine(rollout, self.model_dir, self.seed)
         return self._engine
+
+    def sync_weights(self, model) -> dict:
+        """``model``'s weights into the started engine (a :class:`DistributedRollout`); ``sync/*`` statistics."""
+        return self._sync.sync(model)
 
     def close_engine(self) -> None:
         if self._engine is not None:
-            engine, self._engine = self._engine, None
+            engine, self._engine, self._sync = self._engine, None, None
             engine.shutdown()
 
     def scorer(self, source: str | Path, perturbation: Optional[PerturbationConfig] = None):

@@ -189,18 +189,27 @@ class DeltaExport:
     (snapshotting them in an anchor). ALP sigmas and LoRA factors never travel: an adapted layer's
     merged ``W + s B A`` is what is compared.
 
+    ``dtype``: floating tensors are compared and sent in it (the engine's, when it only casts what it
+    gets: a float32 trainer's changes below bf16's precision are then no change); None: their own.
     ``snapshot_device`` (default: the model's) holds the snapshots; the mirrors live in host memory.
     See :func:`delta_memory` for their sizes.
     """
 
-    def __init__(self, snapshot_device: Optional[torch.device | str] = None):
-        self.snapshot_device = snapshot_device
+    def __init__(self, dtype: Optional[torch.dtype] = None, snapshot_device: Optional[torch.device | str] = None):
+        self.dtype, self.snapshot_device = dtype, snapshot_device
         self.stats: dict = {}
         self.mirror: dict[str, torch.Tensor] = {}  # receivers: full Megatron-layout tensors by name
         self._snapshot: Optional[dict[str, torch.Tensor]] = None
         self._plan: Optional[ExportPlan] = None
         self._receivers: set[int] = set()
         self._finished = True
+
+    def _sent(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as it is compared and sent: in :attr:`dtype` when it is floating."""
+        return t.to(self.dtype) if self.dtype is not None and t.is_floating_point() else t
+
+    def _sent_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return self.dtype if self.dtype is not None and dtype.is_floating_point else dtype
 
     def reset(self) -> None:
         """Make the next stream an anchor, on every rank (after an engine restart, a mismatch, a layout
@@ -243,12 +252,13 @@ class DeltaExport:
         """The dense stream, snapshotting this rank's shards and mirroring what a receiver gets."""
         started = time.perf_counter()
         with torch.no_grad():
-            self._snapshot = {name: p.value().to(self.snapshot_device or p.param.device, copy=True)
+            self._snapshot = {name: self._sent(p.value()).to(self.snapshot_device or p.param.device, copy=True)
                               for name, p in plan.local.items() if p.tp_rank < _parts(plan, name)}
         self.stats["seconds"] = time.perf_counter() - started
         self.stats["changed"] = self.stats["elements"]
         self.mirror = {}
         for name, full in gather_full(model, plan, bucket_bytes, wanted):
+            full = self._sent(full)
             self.mirror[name] = full.to("cpu", copy=True)
             self.stats["bytes"] += full.numel() * full.element_size()
             yield name, full
@@ -292,7 +302,7 @@ class DeltaExport:
             if snapshot is None:
                 rows.append([_ABSENT, 0, 0, 0])
                 continue
-            row, chunks = _encode(plan.local[name].value(), snapshot)
+            row, chunks = _encode(self._sent(plan.local[name].value()), snapshot)
             rows.append(row)
             data += [c.to(plan.local[name].param.device) for c in chunks]
         first = plan.local[bucket[0][0]]
@@ -308,7 +318,7 @@ class DeltaExport:
         size = plan.splits[bucket[0][0]][1]
         sizes = payload[: 8 * size].view(torch.int64).tolist()
         offsets = [8 * size + sum(sizes[:r]) for r in range(size)]
-        shapes = [(math.prod(shape) // _parts(plan, name), dtype) for name, _, _, shape, dtype in bucket]
+        shapes = [(math.prod(shape) // _parts(plan, name), self._sent_dtype(dtype)) for name, _, _, shape, dtype in bucket]
         pieces = [_decode(payload[o: o + s], shapes) for o, s in zip(offsets, sizes)]
         for i, (name, *_) in enumerate(bucket):
             records = [pieces[r][i] for r in range(_parts(plan, name))]

@@ -158,6 +158,7 @@ def megatron_state(cfg: Config, arch: Architecture, lay: Layout, dense: int, exp
     split = f" ({fmt_count(dense)} dense + {fmt_count(expert)} expert)" if expert else ""
     items = [Item("weights", f"policy weights ({cfg.model.dtype})", params * b,
                   f"{fmt_count(params)} params{split} x {b} B")]
+    shard = params  # the weights a full-weight sync exports from this rank (a LoRA layer's merged)
     if cfg.lora.enabled:
         dense, expert = _trained_params(cfg, arch, lay, dense, expert)
         params = dense + expert
@@ -167,6 +168,7 @@ def megatron_state(cfg: Config, arch: Architecture, lay: Layout, dense: int, exp
     elif RunShape.of(cfg).reference == "model":
         items.append(Item("reference", f"reference weights ({cfg.model.dtype})", params * b,
                           "same, no gradients (loss.kl_coef > 0)"))
+    items += sync_snapshot(cfg, arch, shard)
     what = "adapter " if cfg.lora.enabled else ""
     return items + [
         Item("grads", "gradient buffer (fp32)", params * 4, f"{fmt_count(params)} {what}x 4 B, not sharded"),
@@ -283,6 +285,18 @@ def engine_bytes(cfg: Config, arch: Architecture) -> int:
     checkpoint's)."""
     dtype = arch.torch_dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
     return DTYPE_BYTES.get(dtype, 2)
+
+
+def sync_snapshot(cfg: Config, arch: Architecture, params: int) -> list[Item]:
+    """``rollout.sync_delta``: this rank's shard of every weight as last synced, on its device, in the
+    dtype compared (the engine's where the engine only casts, else the model's). Full-weight syncs
+    only: adapter syncs send the adapters."""
+    r = cfg.rollout
+    if not r.sync_delta or (cfg.lora.enabled and cfg.lora.sync == "adapter"):
+        return []
+    b = engine_bytes(cfg, arch) if r.dtype != "auto" and r.quantization == "none" else DTYPE_BYTES[cfg.model.dtype]
+    return [Item("sync_snapshot", "delta-sync snapshot of this rank's shard", params * b,
+                 f"{fmt_count(params)} params x {b} B (rollout.sync_delta)")]
 
 
 def sync_bucket(cfg: Config, arch: Architecture, leader: bool) -> Item:

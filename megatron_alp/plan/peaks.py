@@ -205,8 +205,8 @@ def _table_phase(cfg: Config, arch: Architecture, lay: Layout, spec: PhaseSpec, 
         items = []
         if spec.name != "warm_start":
             for item in megatron_state(cfg, arch, lay, dense, expert):
-                kind = OFFLOAD_KIND[item.key]
-                if PART[item.key] not in needed and moves and getattr(r, f"offload_{kind}"):
+                kind = OFFLOAD_KIND.get(item.key)  # None: stays where it is (the delta-sync snapshot)
+                if kind is not None and PART[item.key] not in needed and moves and getattr(r, f"offload_{kind}"):
                     how = "released" if kind == "grads" else "offloaded"
                     item = Item(item.key, item.label, 0, f"{how} (rollout.offload_{kind}; not needed here)")
                 items.append(item)

@@ -1,4 +1,4 @@
-"""Rollout engines (vLLM, SGLang), weight sync from Megatron, and the collective API the trainer uses.
+"""Rollout engines (vLLM, SGLang) with their weight receivers, and the collective API the trainer uses.
 
 Importing this package registers both engines; neither vLLM nor SGLang is imported until an
 engine is built.
@@ -13,13 +13,15 @@ from megatron_alp.rollout.base import (
     RolloutError,
     SamplingParams,
 )
-from megatron_alp.rollout.distributed import DistributedRollout, build_engine
+from megatron_alp.rollout.distributed import DistributedRollout
+from megatron_alp.rollout.replicas import ReplicaSet, build_engine
 
 __all__ = [
     "ENGINES",
     "Completion",
     "DistributedRollout",
     "EngineRestarted",
+    "ReplicaSet",
     "RolloutEngine",
     "RolloutError",
     "SamplingParams",

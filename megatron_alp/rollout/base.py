@@ -175,6 +175,8 @@ class RolloutEngine(abc.ABC):
     options: ClassVar[tuple[str, ...]] = ()
     # Set by the replica's producer when partial rollouts are on.
     interruption: Optional[Interruption] = None
+    # How many times the engine was started again; each restart starts from its start weights.
+    restarts: int = 0
 
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], params: SamplingParams,
@@ -201,6 +203,11 @@ class RolloutEngine(abc.ABC):
         """Per token sequence, fed whole as one prompt, and per kind of ``kinds`` (:data:`LAYER_KINDS`)
         ``[layers, len(sequence), hidden]`` float32, where :attr:`captures_layers`."""
         raise RolloutError(f"rollout.engine {self.name} cannot show its layers' hidden states")
+
+    def keeps_weights(self) -> bool:
+        """Whether the next weight update reaches the engine that took the last one (a broken or dead
+        engine is restarted by it, from its start weights, so it needs the whole model)."""
+        return True
 
     def shutdown(self) -> None:
         """Release the engine (processes, memory)."""

@@ -67,7 +67,7 @@ from megatron_alp.rollout.base import (
 from megatron_alp.rollout.engine_memory import SGLangMemory
 from megatron_alp.rollout.placement import Placement, placement_vars
 from megatron_alp.rollout.quantization import check_model_not_prequantized, sglang_quantization_args
-from megatron_alp.rollout.weight_sync import WeightStream, default_sync_root, is_finite, write_hf_checkpoint
+from megatron_alp.rollout.weight_sync import SyncFolder, WeightStream, is_finite
 from megatron_alp.runtime.platform import has_gpu
 
 def check_sglang_sampling(params: SamplingParams) -> None:
@@ -174,9 +174,8 @@ class SGLangEngine(RolloutEngine):
         self._routing_shape = (int(hf.get("num_hidden_layers", 0)), int(hf.get("num_experts_per_tok", 0)),
                                num_experts(hf))
         self._max_len = resolve_max_model_len(cfg, hf)
-        self._sync_root = default_sync_root(cfg.sync_dir)
-        self._log_path = self._sync_root / "sglang_server.log"
-        self._weights_dir: Optional[Path] = None
+        self.folders = SyncFolder(cfg.sync_dir, self.model_dir, cfg.sync_bucket_mb << 20)
+        self._log_path = self.folders.root / "sglang_server.log"
         self._proc: Optional[subprocess.Popen] = None
         self.restarts = 0
         # Replicas on one node listen on consecutive ports.
@@ -199,7 +198,7 @@ class SGLangEngine(RolloutEngine):
     def _start(self) -> None:
         env = {k: v for k, v in os.environ.items() if k != "SGLANG_RETURN_ORIGINAL_LOGPROB"}
         env.update(placement_vars(self.placement))  # the replica's GPUs
-        cmd = server_command(self.cfg, str(self._weights_dir or self.model_dir), str(self.model_dir),
+        cmd = server_command(self.cfg, str(self.folders.current or self.model_dir), str(self.model_dir),
                              self._max_len, self.seed, self._port)
         log = open(self._log_path, "ab")
         try:
@@ -228,6 +227,9 @@ class SGLangEngine(RolloutEngine):
         except (urllib.error.URLError, OSError):
             return False
 
+    def keeps_weights(self) -> bool:
+        return self._alive()
+
     def _alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
@@ -249,7 +251,7 @@ class SGLangEngine(RolloutEngine):
 
     def shutdown(self) -> None:
         self._stop()
-        shutil.rmtree(self._sync_root, ignore_errors=True)
+        self.folders.close()
 
     def engine_pids(self) -> list[int]:
         return [self._proc.pid] if self._alive() else []
@@ -274,9 +276,7 @@ class SGLangEngine(RolloutEngine):
     # -------------------------------------------------------------------------- weights
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        version = int(self._weights_dir.name.rsplit("-", 1)[1]) + 1 if self._weights_dir else 1
-        folder = write_hf_checkpoint(WeightStream(weights), self._sync_root / f"weights-{version:06d}",
-                                     bucket_bytes=self.cfg.sync_bucket_mb << 20, config_dir=self.model_dir)
+        folder = self.folders.write(WeightStream(weights))
         self.memory.wake_weights()  # the KV cache stays released beside Megatron's state
         try:
             reply = self._post("/update_weights_from_disk", {"model_path": str(folder)},
@@ -290,9 +290,7 @@ class SGLangEngine(RolloutEngine):
             shutil.rmtree(folder, ignore_errors=True)
             raise RolloutError(f"SGLang refused the weight update: {reply}")
         self.memory.synced()
-        old, self._weights_dir = self._weights_dir, folder
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        self.folders.commit(folder)
 
     # --------------------------------------------------------------------------- generate
 

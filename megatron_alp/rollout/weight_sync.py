@@ -37,7 +37,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from megatron_alp.models.hf_weights import write_hf_folder
+from megatron_alp.models.hf_weights import HFCheckpoint, write_hf_folder
 from megatron_alp.models.weight_mapping import is_sigma
 from megatron_alp.runtime.process import alive
 
@@ -282,6 +282,55 @@ def default_sync_root(configured: str | None) -> Path:
         root = Path(tempfile.gettempdir())
     root.mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix="megatron-alp-weights-", dir=root))
+
+
+class SyncFolder:
+    """The weight folders an engine in another process reloads from (``rollout.sync_method: folder``
+    and SGLang): each sync is written once, whole, as ``weights-<n>`` under ``root`` (created on first
+    use in ``rollout.sync_dir``, :func:`default_sync_root`); the engine loads it, and :meth:`commit`
+    makes it :attr:`current` (what a restarted engine starts from) and removes the one before."""
+
+    def __init__(self, sync_dir: str | None, model_dir: str | Path, bucket_bytes: int):
+        self.sync_dir, self.model_dir, self.bucket_bytes = sync_dir, Path(model_dir), bucket_bytes
+        self._root: Path | None = None
+        self.current: Path | None = None
+
+    @property
+    def root(self) -> Path:
+        if self._root is None:
+            self._root = default_sync_root(self.sync_dir)
+        return self._root
+
+    def write(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Path:
+        """The next version's folder (atomic), not yet current: ``weights``, and every tensor of the
+        current folder they leave out (a delta sync sends the changed tensors only), so a folder is
+        always the whole model."""
+        version = int(self.current.name.rsplit("-", 1)[1]) + 1 if self.current else 1
+        return write_hf_checkpoint(self._whole(weights), self.root / f"weights-{version:06d}",
+                                   bucket_bytes=self.bucket_bytes, config_dir=self.model_dir)
+
+    def _whole(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        sent = set()
+        for name, tensor in weights:
+            sent.add(name)
+            yield name, tensor
+        if self.current is not None:
+            before = HFCheckpoint(self.current)
+            for name in before.names():
+                if name not in sent:
+                    yield name, before.read(name)
+            before.close()
+
+    def commit(self, folder: Path) -> None:
+        """The engine loaded ``folder``: it is current, the previous one goes."""
+        old, self.current = self.current, folder
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def close(self) -> None:
+        if self._root is not None:
+            shutil.rmtree(self._root, ignore_errors=True)
+            self._root = self.current = None
 
 
 def default_verify_tolerance(engine_dtype: str, quantization: str, kv_cache_dtype: str,

@@ -290,22 +290,36 @@ METRICS: tuple[Metric, ...] = (
     Metric('step', 'count', 'trainer.trainer', 'every record',
            "Optimizer steps taken so far, after this iteration's updates (trainer.updates_per_iteration per "
            'iteration); 0 in the iteration -1 base-validation record.'),
-    Metric('sync/bytes', 'bytes', 'rollout.distributed', 'every iteration',
-           "Bytes streamed to an engine by the iteration's weight sync (full HF weights, or the PEFT adapter with "
-           'lora.sync: adapter), first stream.'),
-    Metric('sync/gbps', 'GB/s', 'rollout.distributed', 'every iteration',
+    Metric('sync/anchor', 'flag', 'sync.sources', 'rollout.sync_delta',
+           'rollout.sync_delta: 1 when the last stream of the sync was a full one (an anchor: every '
+           'rollout.sync_delta_anchor syncs, after an engine restart, a resume or a checksum mismatch), else 0.'),
+    Metric('sync/bytes', 'bytes', 'sync.weight_sync', 'every iteration',
+           "Bytes handed to an engine by the iteration's weight sync (full HF weights, the PEFT adapter with "
+           'lora.sync: adapter, or the tensors that changed with rollout.sync_delta), summed over the streams of '
+           'the sync (a retry or a full sync after a failed check adds its own), the replica that took most.'),
+    Metric('sync/changed_frac', 'fraction', 'sync.sources', 'rollout.sync_delta',
+           'rollout.sync_delta: share of the model\'s elements whose bits changed since the last sync (in the '
+           'dtype compared: the engine\'s where it only casts); 1 when the sync was a full one.'),
+    Metric('sync/delta_bytes', 'bytes', 'sync.sources', 'rollout.sync_delta',
+           'rollout.sync_delta: bytes that reached the first replica leader from the trainer ranks in the last '
+           'stream: positions and values of the changes (whole shards where that is smaller), the whole model '
+           'in a full sync.'),
+    Metric('sync/delta_s', 'seconds', 'sync.sources', 'rollout.sync_delta',
+           'rollout.sync_delta: seconds rank 0 spent comparing its shards with their snapshots and encoding '
+           'the changes (taking the snapshot, in a full sync).'),
+    Metric('sync/gbps', 'GB/s', 'sync.weight_sync', 'every iteration',
            'Sync throughput: sync/bytes / sync/seconds / 1e9 (decimal gigabytes per second).'),
-    Metric('sync/seconds', 'seconds', 'rollout.distributed', 'every iteration',
+    Metric('sync/seconds', 'seconds', 'sync.weight_sync', 'every iteration',
            'Wall time of the weight sync to the engines (retries and verification included), excluding the wait '
            'for busy producers.'),
-    Metric('sync/tensors', 'count', 'rollout.distributed', 'every iteration',
+    Metric('sync/tensors', 'count', 'sync.weight_sync', 'every iteration',
            'Number of tensors streamed to an engine by the weight sync.'),
-    Metric('sync/verify_max_abs_diff', 'nats', 'rollout.distributed', 'rollout.verify_sync',
+    Metric('sync/verify_max_abs_diff', 'nats', 'sync.weight_sync', 'rollout.verify_sync',
            'Max |engine - trainer| token logprob on the post-sync verification probe, of the worst replica '
            '(largest mean).'),
-    Metric('sync/verify_mean_abs_diff', 'nats', 'rollout.distributed', 'rollout.verify_sync',
+    Metric('sync/verify_mean_abs_diff', 'nats', 'sync.weight_sync', 'rollout.verify_sync',
            'Mean |engine - trainer| token logprob on the post-sync verification probe, worst replica.'),
-    Metric('sync/wait_s', 'seconds', 'rollout.distributed', 'every iteration',
+    Metric('sync/wait_s', 'seconds', 'sync.weight_sync', 'every iteration',
            "Seconds the weight sync waited for the engines' producers to finish (or pause) a running generation "
            '(~0 when synchronous).'),
     Metric('throughput/rollout_tokens_per_s', 'tokens/s', 'trainer.metrics', 'every iteration',

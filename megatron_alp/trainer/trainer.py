@@ -40,6 +40,7 @@ from megatron_alp.plan.shape import RunShape
 from megatron_alp.rewards import build_reward
 from megatron_alp.rollout import DistributedRollout
 from megatron_alp.rollout.placement import pin_trainer_cores
+from megatron_alp.sync import WeightSync, weight_source
 from megatron_alp.runtime.console import say
 from megatron_alp.runtime.parallel import destroy_distributed, init_distributed
 from megatron_alp.runtime.preemption import Preempted, StopRequests
@@ -113,7 +114,7 @@ class RLTrainer:
             self.checkpointer.restore(resumed, self.stateful)
         if resumed is not None or cfg.model.load is not None:
             self.phases.enter("weight_sync")
-            self.rollout.sync_weights(self.learner.module, version=self.iteration)
+            self.weight_sync.sync(self.learner.module, version=self.iteration)
         self.calibrator = SigmaCalibrator(cfg, self.shape, self.learner, self.rollout, self.rank)
         self.validator = Validator(cfg, self.shape, self.phases, rollout=self.rollout, tokenizer=self.tokenizer,
                                    reward_fn=self.reward_fn, executor=self.executor, rank=self.rank)
@@ -138,8 +139,9 @@ class RLTrainer:
         t0 = time.time()
         self.phases.enter("engine_start")  # the engine claims its memory while Megatron's state is away
         self.rollout = DistributedRollout(cfg.rollout, str(self.model_dir), seed=cfg.trainer.seed,
-                                          scorer=probe_mismatch, background=cfg.trainer.max_staleness > 0,
-                                          phase=self.phases.within, lora=cfg.lora)
+                                          background=cfg.trainer.max_staleness > 0, lora=cfg.lora)
+        self.weight_sync = WeightSync(self.rollout, weight_source(cfg.rollout, cfg.lora), scorer=probe_mismatch,
+                                      phase=self.phases.within)
         self.phases.attach(rollout=self.rollout)
         if self.rank == 0:
             say(f"rollout engine: {self.rollout.replicas} {cfg.rollout.engine} replica(s) ready in {time.time() - t0:.0f} s")
@@ -227,7 +229,7 @@ class RLTrainer:
             step_stats, loss_metrics = self.learner.update(share.local, share.sizes)
         self.phases.enter("weight_sync")
         with peak_memory(m, "sync"), timed(m, "sync"):
-            sync_stats = self.rollout.sync_weights(self.learner.module, version=i + 1)
+            sync_stats = self.weight_sync.sync(self.learner.module, version=i + 1)
         m.update(self.phases.take_stats())
         m["timing/total_s"] = time.time() - t_start
         m.update({k: v for k, v in (sync_stats or {}).items() if isinstance(v, (int, float))})

@@ -37,6 +37,7 @@ from megatron_alp.training.policy_update import compute_logprobs, probe_mismatch
 from megatron_alp.training.rl_batch import build_rl_batch
 from megatron_alp.data.trajectory import Trajectory
 from megatron_alp.rollout import DistributedRollout, RolloutError, SamplingParams
+from megatron_alp.sync import FullWeights, WeightSync
 from megatron_alp.algorithms.mismatch import mismatch_stats
 
 FP32_TOL = 1e-4
@@ -132,12 +133,13 @@ def main():
     rank = dist.get_rank()
     results = {}
 
-    one = DistributedRollout(cfg(1), model_dir, seed=0, scorer=probe_mismatch)
+    one = DistributedRollout(cfg(1), model_dir, seed=0)
     assert one.replicas == 1 and (one.engine is not None) == (rank == 0)
     reference = one.generate(PROMPTS, PARAMS)
     one.shutdown()
 
-    two = DistributedRollout(cfg("auto"), model_dir, seed=0, scorer=probe_mismatch)
+    two = DistributedRollout(cfg("auto"), model_dir, seed=0)
+    weights = WeightSync(two, FullWeights(two.cfg.sync_bucket_mb << 20), scorer=probe_mismatch)
     assert two.replicas == 2 and two.engine is not None, "auto on the CPU: one replica per data-parallel rank"
     pids = [None] * 2
     dist.all_gather_object(pids, two.engine.engine_pids())
@@ -154,7 +156,7 @@ def main():
     args = hf_to_megatron(load_hf_config(model_dir))
     model = build_gpt_model(args, ModelConfig(hf_path=model_dir, dtype="float32", layer_spec="local"), par)
     load_hf_weights(model, new_dir)  # the training-side weight change
-    sync = two.sync_weights(model)  # verify_sync: every replica's probe is scored
+    sync = weights.sync(model)  # verify_sync: every replica's probe is scored
     assert two.engine.last_sync["path"] == "memory", two.engine.last_sync
     results["sync"] = sync
     synced = two.generate(PROMPTS, PARAMS)
@@ -183,7 +185,7 @@ def main():
     stats = two.take_stats()
     results["replicas_live"] = stats["rollout/replicas_live"]
     load_hf_weights(model, model_dir)  # back to the first weights, synced to the survivor only
-    results["survivor_sync"] = two.sync_weights(model)
+    results["survivor_sync"] = weights.sync(model)
     results["survivor_same"] = same_tokens(flat(two.generate(PROMPTS, PARAMS)), flat(reference))
 
     if rank == 0:

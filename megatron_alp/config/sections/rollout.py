@@ -122,6 +122,17 @@ class RolloutConfig(_Section):
     sync_bucket_mb: int = Field(
         512, ge=1, description="Weight-sync bucket size: tensors are gathered and sent in buckets this big."
     )
+    sync_delta: bool = Field(
+        False,
+        description="Send only the weight elements that changed since the last sync (compared bit for bit "
+        "in the engine's dtype, on each rank's own shard) and rebuild the changed tensors on the replica "
+        "leaders, which hold a host copy of the weights the engine holds. A full sync still comes every "
+        "`sync_delta_anchor` syncs, after an engine restart, a resume or a checksum mismatch. Full weights "
+        "only: `lora.sync: adapter` sends adapters as before.",
+    )
+    sync_delta_anchor: int = Field(
+        20, ge=1, description="With `sync_delta`: every this many syncs one is a full sync (the anchor)."
+    )
     verify_sync: bool = Field(
         False, description="After each weight sync, check engine and trainer logprobs agree on a probe."
     )

@@ -143,6 +143,9 @@ class VLLMEngine(RolloutEngine):
     def restarts(self) -> int:
         return self.process.restarts
 
+    def keeps_weights(self) -> bool:
+        return not self.process.broken and self.process.alive()
+
     def alive(self) -> bool:
         """False when an engine-core subprocess has ended (always True in process)."""
         return self.process.alive()

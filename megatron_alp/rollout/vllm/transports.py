@@ -23,7 +23,6 @@ Both bucketed transports load a whole sync in one reload session of the workers
 from __future__ import annotations
 
 import abc
-import shutil
 from contextlib import contextmanager
 from pathlib import Path
 from typing import ClassVar, Iterable, Optional
@@ -32,7 +31,7 @@ import torch
 
 from megatron_alp.config import RolloutConfig
 from megatron_alp.rollout.weight_broadcast import BroadcastSender
-from megatron_alp.rollout.weight_sync import BucketWriter, default_sync_root, layer_buckets, write_hf_checkpoint
+from megatron_alp.rollout.weight_sync import BucketWriter, SyncFolder, layer_buckets
 
 Weights = Iterable[tuple[str, torch.Tensor]]
 
@@ -119,28 +118,19 @@ class Folder(WeightTransport):
 
     def __init__(self, cfg: RolloutConfig, model_dir: Path):
         super().__init__(cfg, model_dir)
-        self._root: Optional[Path] = None
-        self._current: Optional[Path] = None  # folder of the current weights
+        self.folders = SyncFolder(cfg.sync_dir, model_dir, cfg.sync_bucket_mb << 20)
 
     def send(self, process, weights: Weights) -> None:
-        if self._root is None:
-            self._root = default_sync_root(self.cfg.sync_dir)
-        version = int(self._current.name.rsplit("-", 1)[1]) + 1 if self._current else 1
-        folder = write_hf_checkpoint(weights, self._root / f"weights-{version:06d}",
-                                     bucket_bytes=self.cfg.sync_bucket_mb << 20, config_dir=self.model_dir)
+        folder = self.folders.write(weights)
         process.rpc("reload_weights", kwargs={"weights_path": str(folder)})
-        old, self._current = self._current, folder
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        self.folders.commit(folder)
 
     @property
     def start_dir(self) -> Optional[Path]:
-        return self._current
+        return self.folders.current
 
     def close(self) -> None:
-        if self._root is not None:
-            shutil.rmtree(self._root, ignore_errors=True)
-            self._root = self._current = None
+        self.folders.close()
 
 
 class Broadcast(WeightTransport):
