@@ -9,7 +9,9 @@ named. Outputs are written to ``<out>.tmp-XXXX`` and renamed when complete; a fa
 no ``<out>``. Checkpoints record their HF config and tokenizer (trainer checkpoints and converted
 ones alike), so the export needs no other input; ``--hf-ref`` supplies them for older checkpoints.
 A checkpoint trained with LoRA exports the merged model (``mcore-to-hf``) or its adapters alone as
-a PEFT adapter directory (``mcore-to-peft``), the adapters' config read from its metadata.
+a PEFT adapter directory (``mcore-to-peft``), the adapters' config read from its metadata. Such a
+checkpoint holds no base weights: every action reads them from the base folder it records, checked
+against the recorded fingerprint before any rank starts; ``--base DIR`` names the folder when it moved.
 Library output goes to ``<out>.convert.log`` (verify: ``<mcore>.verify.log``); the terminal gets
 errors and one line saying what was written where.
 
@@ -18,6 +20,7 @@ Examples::
     megatron-alp convert hf-to-mcore --hf Qwen2.5-7B --out ckpt/qwen7b --tp 2 --pp 1
     megatron-alp convert mcore-to-hf --mcore runs/x/checkpoints/iter_0000100 --out hf_out
     megatron-alp convert mcore-to-peft --mcore runs/x/checkpoints/iter_0000100 --out adapter --base-model Qwen/Qwen3-8B
+    megatron-alp convert mcore-to-hf --mcore runs/x/checkpoints/iter_0000100 --out hf_out --base /models/Qwen3-8B
     megatron-alp convert reshard --mcore ckpt/qwen7b --out ckpt/qwen7b_pp2 --tp 1 --pp 2
     megatron-alp convert verify --hf Qwen2.5-7B --mcore ckpt/qwen7b --tp 2
     megatron-alp convert quantize --mcore runs/x/checkpoints/iter_0000100 --out qwen7b_fp8 --format fp8 \
@@ -49,6 +52,12 @@ def _size(text: str) -> int:
     return int(float(m.group(1)) * 1024 ** "BKMGT".index(m.group(2) or "B"))
 
 
+def _base_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base", default=None, metavar="DIR",
+                   help="a LoRA checkpoint's base model folder, when it moved from the one the checkpoint records "
+                   "(its weights must be the same)")
+
+
 def _layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size (default 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size (default 1)")
@@ -72,6 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="HF model directory whose config and tokenizer to use instead of the checkpoint's "
                    "(needed for checkpoints that record none)")
     p.add_argument("--max-shard-size", type=_size, default=_size("5GB"), help="largest safetensors file (default 5GB)")
+    _base_arg(p)
     _layout_args(p)
     p = sub.add_parser("mcore-to-peft", help="LoRA checkpoint -> PEFT adapter directory (adapter_model.safetensors, "
                        "adapter_config.json)")
@@ -82,12 +92,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "that record none)")
     p.add_argument("--base-model", default=None,
                    help="the base model's name or path, recorded as the adapter's base_model_name_or_path")
+    _base_arg(p)
     _layout_args(p)
     p = sub.add_parser("reshard", help="rewrite a Megatron checkpoint under another TP/PP/EP layout")
     p.add_argument("--mcore", required=True, help="Megatron checkpoint directory")
     p.add_argument("--out", required=True, help="checkpoint directory to create")
     p.add_argument("--hf-ref", default=None,
                    help="HF model directory whose config and tokenizer to carry instead of the checkpoint's")
+    _base_arg(p)
     _layout_args(p)
     p = sub.add_parser("quantize", help="HF directory or Megatron checkpoint -> FP8 or NVFP4 checkpoint that vLLM "
                        "and SGLang load (nvidia-modelopt)")
@@ -100,11 +112,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "prompts and answers calibrate the activation scales")
     p.add_argument("--calib-samples", type=int, default=128, help="rows of --calib to calibrate on (default 128)")
     p.add_argument("--calib-length", type=int, default=1024, help="tokens per calibration sample at most (default 1024)")
+    _base_arg(p)
     p.set_defaults(tp=1, pp=1, ep=1, layer_spec="auto")
     p = sub.add_parser("verify", help="compare HF and Megatron logits on a fixed batch")
     p.add_argument("--hf", required=True, help="HF model directory")
     p.add_argument("--mcore", required=True, help="Megatron checkpoint directory")
     p.add_argument("--tol", type=float, default=1e-4, help="largest accepted max |logit diff| (default 1e-4, fp32)")
+    _base_arg(p)
     _layout_args(p)
 
 
@@ -139,6 +153,21 @@ def check_quantize(args) -> None:
     prompt_rows(args.calib)
 
 
+def check_base(args) -> None:
+    """A LoRA checkpoint without base weights: its base folder (``--base``, else the recorded one)
+    holds the weights it was trained on. ``--base`` for anything else is refused, not ignored."""
+    from megatron_alp.training.dist_checkpoint import read_metadata
+    from megatron_alp.training.lora_base import verified_base
+
+    base = getattr(args, "base", None)
+    recorded = read_metadata(args.mcore).get("lora_base") if getattr(args, "mcore", None) else None
+    if recorded:
+        verified_base(args.mcore, recorded, base, hint="; pass --base DIR naming a folder that holds it")
+    elif base is not None:
+        raise ValueError(f"--base {base}: {args.mcore or args.hf} holds its own weights (--base is for a LoRA "
+                         "checkpoint saved without its base)")
+
+
 def check(args):
     """Validate the inputs and layout without starting any rank; returns the ParallelConfig."""
     from megatron_alp.models.families import hf_to_megatron
@@ -150,6 +179,7 @@ def check(args):
     if out is not None and Path(out).exists():
         raise FileExistsError(f"--out {out} already exists; choose a new directory")
     margs = hf_to_megatron(_hf_config_of(args))
+    check_base(args)
     if args.action == "quantize":
         check_quantize(args)
     if args.action == "mcore-to-peft":
@@ -172,25 +202,25 @@ def _execute(args, parallel) -> None:
         from checkpoint_tools.mcore_to_hf import convert
 
         convert(args.mcore, args.out, parallel, hf_ref=args.hf_ref, layer_spec=args.layer_spec,
-                max_shard_bytes=args.max_shard_size)
+                max_shard_bytes=args.max_shard_size, base_dir=args.base)
     elif args.action == "mcore-to-peft":
         from checkpoint_tools.mcore_to_peft import convert
 
         convert(args.mcore, args.out, parallel, hf_ref=args.hf_ref, layer_spec=args.layer_spec,
-                base_model=args.base_model)
+                base_model=args.base_model, base_dir=args.base)
     elif args.action == "reshard":
         from checkpoint_tools.reshard import reshard
 
-        reshard(args.mcore, args.out, parallel, hf_ref=args.hf_ref, layer_spec=args.layer_spec)
+        reshard(args.mcore, args.out, parallel, hf_ref=args.hf_ref, layer_spec=args.layer_spec, base_dir=args.base)
     elif args.action == "quantize":
         from checkpoint_tools.quantize import quantize
 
         quantize(args.mcore or args.hf, args.out, args.format, args.calib, samples=args.calib_samples,
-                 max_length=args.calib_length, megatron=bool(args.mcore), log=say)
+                 max_length=args.calib_length, megatron=bool(args.mcore), log=say, base_dir=args.base)
     else:
         from checkpoint_tools.verify import verify
 
-        verify(args.hf, args.mcore, parallel, layer_spec=args.layer_spec, tol=args.tol)
+        verify(args.hf, args.mcore, parallel, layer_spec=args.layer_spec, tol=args.tol, base_dir=args.base)
 
 
 def _under_torchrun() -> bool:

@@ -77,9 +77,9 @@ def quantize_hf(hf_dir: str | Path, out: str | Path, fmt: str, batches: list[tor
 
 
 def quantize(source: str | Path, out: str | Path, fmt: str, calib_file: str | Path, *, samples: int,
-             max_length: int, megatron: bool, log: Callable[[str], None] = print) -> None:
+             max_length: int, megatron: bool, log: Callable[[str], None] = print, base_dir=None) -> None:
     """``source`` (a Hugging Face folder, or a megatron-alp checkpoint when ``megatron``) quantized
-    to ``out``."""
+    to ``out``; ``base_dir``: a LoRA checkpoint's base folder, if not the recorded one."""
     out = Path(out).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=out.name + ".export-", dir=out.parent) as scratch:
@@ -87,7 +87,7 @@ def quantize(source: str | Path, out: str | Path, fmt: str, calib_file: str | Pa
         if megatron:
             hf_dir = Path(scratch) / "hf"
             log(f"exporting {source} to Hugging Face safetensors for calibration")
-            export_hf(source, hf_dir, ParallelConfig())
+            export_hf(source, hf_dir, ParallelConfig(), base_dir=base_dir)
         batches = calibration_batches(hf_dir, calib_file, samples, max_length)
         if not batches:
             raise ValueError(f"--calib {calib_file}: no usable rows to calibrate on")

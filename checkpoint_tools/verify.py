@@ -61,8 +61,9 @@ def megatron_logits(model, tokens: torch.Tensor):
                      False).cpu()
 
 
-def verify(hf_dir, mcore_dir, parallel, *, layer_spec: str = "auto", tol: float = DEFAULT_TOL) -> float:
-    """Max |logit difference|, reduced over ranks; prints it on rank 0. Raises if above ``tol``."""
+def verify(hf_dir, mcore_dir, parallel, *, layer_spec: str = "auto", tol: float = DEFAULT_TOL, base_dir=None) -> float:
+    """Max |logit difference|, reduced over ranks; prints it on rank 0. Raises if above ``tol``.
+    ``base_dir``: a LoRA checkpoint's base folder, if not the recorded one."""
     import torch.distributed as dist
 
     from megatron_alp.models.families import load_hf_config
@@ -74,7 +75,7 @@ def verify(hf_dir, mcore_dir, parallel, *, layer_spec: str = "auto", tol: float 
     init_distributed(parallel)
     model = weightless_model(hf_config, parallel, "float32", layer_spec, source=str(mcore_dir),
                              lora=checkpoint_lora(mcore_dir))
-    load_checkpoint(mcore_dir, model)
+    load_checkpoint(mcore_dir, model, base_dir=base_dir)
     tokens = fixed_batch(int(hf_config["vocab_size"]))
     logits = megatron_logits(model, tokens)
     diff = torch.zeros(())

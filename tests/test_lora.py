@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from helpers import dist_job, passed, read_results, record_checks
+from safetensors import safe_open
 
 from megatron_alp.config import ConfigError, LoRAConfig, validate_schema
 
@@ -145,15 +146,26 @@ def test_lora_under_tp_sp_pp_ep(dist_jobs):
 
 @CHECKPOINTS
 def test_lora_distributed_checkpoints(dist_jobs):
-    """Adapters in Megatron distributed checkpoints: a save/resume takes the uninterrupted run's next step
-    bit for bit (dense with the distributed optimizer at DP=2, MoE with the plain one at EP=2); a
-    checkpoint loads at TP=2 (with and without SP), PP=2, EP=1 and expert TP=2 with exactly the saved
-    full adapters and sigmas, and the next step there is the reference's to float-sum order; saved at
-    TP=2+SP or PP=2 it loads back at DP=2 exactly; a checkpoint without adapters loads into a LoRA model
-    only with base_only=True (asserted in the script)."""
-    r = read_results(dist_jobs.run("lora_checkpoint") / "result.json")
-    assert len(r["exact_resume"]) == 2 and len(r["loaded"]) == 4 and r["base_only"], r
+    """Adapters in Megatron distributed checkpoints, saved without the frozen base (its HF folder
+    recorded) as a LoRA run saves them: a save/resume takes the uninterrupted run's next step bit for bit
+    (dense with the distributed optimizer at DP=2, MoE with the plain one at EP=2), its base read back
+    from the folder; a checkpoint loads at TP=2 (with and without SP), PP=2, EP=1 and expert TP=2 with
+    exactly the saved full adapters and sigmas and the folder's base, and the next step there is the
+    reference's to float-sum order; saved at TP=2+SP (adapters only) or PP=2 (with the base, the earlier
+    format) it loads back at DP=2 exactly; it loads onto a copy of its base elsewhere and is refused, in
+    one line, onto other weights or a folder that is gone; a checkpoint without adapters loads into a
+    LoRA model only with base_only=True (asserted in the script)."""
+    work = dist_jobs.run("lora_checkpoint")
+    r = read_results(work / "result.json")
+    assert len(r["exact_resume"]) == 2 and len(r["loaded"]) == 4 and r["base_only"] and r["moved_base"], r
     assert r["step_rel_diff"] < 1e-2 and "base_only=True" in r["refusal"], r
+    assert r["adapter_only"] == ["dense_ref", "qwen3_tp2_pp1_sp1", "moe_ep2"], r
+    assert r["with_base"] == ["qwen3_tp1_pp2_sp0"], r
+    with safe_open(str(work / "qwen3_base" / "model.safetensors"), framework="pt") as f:
+        tensors = len(list(f.keys()))
+    other, gone = r["refusals"]
+    assert f"qwen3_other holds other weights than the adapters were trained on: the same {tensors} tensors" in other
+    assert "nowhere is gone; the checkpoint holds the adapters alone" in gone, gone
 
 
 # ---------------------------------------------------------------------- the subprocess (one rank)

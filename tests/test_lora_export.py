@@ -5,9 +5,13 @@ Qwen3 (every dense target) and Qwen3-MoE (attention and routed experts) with ran
 - transformers on the merged export (iter_hf_weights) gives them too, and its tensors are the base
   model's names only (no ``*_lora.*``);
 - the adapter and merged folders written at TP=2 (and EP=2, MoE) equal the 1-rank ones bit for bit;
-- ``megatron-alp convert`` of a LoRA checkpoint: ``mcore-to-peft`` writes that adapter folder and
-  ``mcore-to-hf`` that merged folder, which ``verify`` matches with the checkpoint; ``mcore-to-peft``
-  of a checkpoint without adapters is refused naming its metadata file.
+- ``megatron-alp convert`` of a LoRA checkpoint, saved as a run saves it (adapters without the base,
+  its folder recorded): ``mcore-to-peft`` writes that adapter folder and ``mcore-to-hf`` that merged
+  folder, which ``verify`` matches with the checkpoint; ``mcore-to-peft`` of a checkpoint without
+  adapters is refused naming its metadata file;
+- its recorded base folder moved: refused naming ``--base``, exported with ``--base``, and resharded
+  with ``--base`` into a checkpoint that records the new folder; ``--base`` naming other weights of the
+  same shapes is refused.
 
 Megatron's side runs in tests/dist/check_lora_export.py: once on 1 rank (the base models, the
 reference: adapters, log-probabilities, exports; then the ``convert`` commands by the CLI's entry)
@@ -25,6 +29,7 @@ import pytest
 import torch
 from helpers import dist_job
 from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemReader
 
 from megatron_alp.config import LoRAConfig
 from megatron_alp.models.lora_export import ADAPTER_FILE, CONFIG_FILE, peft_adapter_config, write_peft_adapter
@@ -110,6 +115,9 @@ def _assert_same_tensors(a_file: Path, b_file: Path) -> None:
     assert not changed, f"{b_file} differs from {a_file}: {changed[:5]}"
 
 
+REFUSED = ("hf_gone", "hf_other")  # convert steps of commands.json that must fail
+
+
 @EXPORTS
 def test_convert_lora_checkpoint(work, tmp_path, capsys):
     from megatron_alp.cli import main
@@ -117,8 +125,12 @@ def test_convert_lora_checkpoint(work, tmp_path, capsys):
     ckpt, peft_dir, hf_dir = work / "qwen3_ckpt", work / "cli_peft", work / "cli_hf"
     commands = json.loads((work / "commands.json").read_text())
     for step, c in commands.items():
-        assert c["rc"] == 0, f"convert {step} failed:\n{c['err'][-4000:]}"
-    assert json.loads((ckpt / "megatron_alp.json").read_text())["lora"]["rank"] == 4
+        if step not in REFUSED:
+            assert c["rc"] == 0, f"convert {step} failed:\n{c['err'][-4000:]}"
+    meta = json.loads((ckpt / "megatron_alp.json").read_text())
+    assert meta["lora"]["rank"] == 4 and meta["lora_base"]["dir"] == str(work / "qwen3")
+    stored = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    assert "embedding.word_embeddings.weight" not in stored and any(k.endswith("_lora.B") for k in stored)
     reference = work / "qwen3_1rank"
     _assert_same_tensors(reference / "peft" / ADAPTER_FILE, peft_dir / ADAPTER_FILE)
     assert (peft_dir / CONFIG_FILE).read_text() == (reference / "peft" / CONFIG_FILE).read_text()
@@ -133,6 +145,29 @@ def test_convert_lora_checkpoint(work, tmp_path, capsys):
     assert rc == 2, err[-2000:]
     assert f"{base / 'megatron_alp.json'}: the checkpoint records no LoRA adapters" in err
     assert not (tmp_path / "none").exists()
+
+
+@EXPORTS
+def test_convert_takes_the_base_folder_where_it_moved(work):
+    """The recorded base folder is gone: refused naming it and ``--base``, nothing written; exported and
+    resharded with ``--base`` (the reshard records the new folder and exports without it); ``--base``
+    naming a model of the same shapes and other weights is refused naming what differs."""
+    commands = json.loads((work / "commands.json").read_text())
+    moved_ckpt, gone = work / "qwen3_ckpt_moved", commands["hf_gone"]
+    assert gone["rc"] == 2 and not (work / "cli_hf_gone").exists(), gone["err"][-2000:]
+    assert (f"megatron-alp convert mcore-to-hf: error: {moved_ckpt}: its LoRA base {work / 'qwen3_to_move'} is gone; "
+            "the checkpoint holds the adapters alone, which need that base; pass --base DIR naming a folder that holds "
+            "it\n") in gone["err"], gone["err"][-2000:]
+    other = commands["hf_other"]
+    assert other["rc"] == 2 and not (work / "cli_hf_other").exists(), other["err"][-2000:]
+    assert (f"{work / 'qwen3_ckpt'}: its LoRA base {work / 'qwen3_other'} holds other weights than the adapters were "
+            "trained on: the same ") in other["err"], other["err"][-2000:]
+    merged = work / "qwen3_1rank" / "merged" / "model.safetensors"
+    for out in ("cli_hf_moved", "cli_hf_resharded"):
+        _assert_same_tensors(merged, work / out / "model.safetensors")
+    resharded = json.loads((work / "resharded" / "megatron_alp.json").read_text())["lora_base"]
+    recorded = json.loads((moved_ckpt / "megatron_alp.json").read_text())["lora_base"]
+    assert resharded == {**recorded, "dir": str(work / "qwen3_moved")}, (resharded, recorded)
 
 
 def test_bad_input_is_refused(tmp_path):

@@ -30,7 +30,7 @@ def test_checkpoint_numbers_count_optimizer_tensors_by_their_dtype(tmp_path):
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path)))
     got = ls.checkpoint_numbers(tmp_path)
     assert got == {"trainable_params": 24 + 1, "sigma_params": 1,
-                   "optimizer_bytes": 4 * (24 + 24 + 1 + 1) + 2 * 24}
+                   "optimizer_bytes": 4 * (24 + 24 + 1 + 1) + 2 * 24, "model_bytes": 4 * 48}
     assert ls.dir_bytes(tmp_path) == sum(p.stat().st_size for p in tmp_path.iterdir()) > 0
 
 
@@ -38,10 +38,10 @@ def test_metrics_means_skip_the_base_model_validation_and_the_table_shows_ratios
     rows = [{"iteration": -1, "val/reward_mean": 0.1}, {"iteration": 0, "sync/bytes": 10.0},
             {"iteration": 1, "sync/bytes": 30.0}]
     assert ls.mean_of(rows, "sync/bytes") == 20.0
-    one = {"trainable_params": 100, "optimizer_bytes": 800, "checkpoint_bytes": 2 * ls.MIB, "sync_bytes": ls.MIB,
-           "s_per_iteration": 2.0, "update_s": 1.0}
+    one = {"trainable_params": 100, "optimizer_bytes": 800, "model_bytes": 400, "checkpoint_bytes": 2 * ls.MIB,
+           "sync_bytes": ls.MIB, "s_per_iteration": 2.0, "update_s": 1.0}
     runs = {"full": one, "lora_merged": {**one, "trainable_params": 10, "sync_bytes": ls.MIB / 4}}
     ratios = {"lora_merged": {key: one[key] / runs["lora_merged"][key] for _, key, _ in ls.ROWS}}
     lines = ls.table(runs, ratios).splitlines()
     assert lines[1].split() == ["trainable", "parameters", "100", "10", "10.00x"]
-    assert lines[4].split()[-3:] == ["1.000", "0.250", "4.00x"]
+    assert lines[5].split()[-3:] == ["1.000", "0.250", "4.00x"]

@@ -1,7 +1,8 @@
 """LoRA runs of the trainer end to end (configs/quickstart_lora_cpu.yaml at CI size, real vLLM):
 only adapters and sigmas train, the KL reference is the base model (adapters off), a checkpoint holds
-the adapters and resumes, the engine serves the trained adapters (merged or adapter-only), and the
-two-rank layouts reproduce the one-rank run."""
+the adapters without the frozen base (it records the run's base model folder) and resumes to the same
+metrics and tensors, a changed base model is refused at resume in one line, the engine serves the
+trained adapters (merged or adapter-only), and the two-rank layouts reproduce the one-rank run."""
 
 import json
 import math
@@ -9,8 +10,11 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import LOSS_KEYS, QUICKSTART_LORA, ROLLOUT_KEYS, TP2_SP, copy_run, metrics, train
+from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 # one update per iteration: iteration 0's update starts from B = 0, the base model itself
 RUN = ("trainer.iterations=2", "trainer.save_interval=2", "trainer.sft_warmup_steps=30", "trainer.eval_interval=0",
@@ -55,18 +59,33 @@ def test_only_adapters_train_and_the_reference_is_the_base_model(lora_run):
     assert all(r["sync/verify_mean_abs_diff"] < 2e-2 for r in m), [r["sync/verify_mean_abs_diff"] for r in m]
 
     ckpt = lora_run / "checkpoints" / "iter_0000002"
-    sizes = {k: v.size for k, v in FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata.items()
-             if k.startswith("optimizer.state.")}
+    stored = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    sizes = {k: v.size for k, v in stored.items() if k.startswith("optimizer.state.")}
     trained = {k.split(".", 3)[3] for k in sizes}
     assert all(k.endswith(("_lora.A", "_lora.B", "log_sigma")) for k in trained), sorted(trained)
+    # no frozen base weight on disk: the model keys are the trained tensors (and Megatron's _extra_state
+    # objects); the base is the run's base model folder, recorded with its tensor count
+    model_keys = {k.split("/")[0] for k in stored if not k.startswith("optimizer.")}
+    assert model_keys - {k for k in model_keys if "._extra_state" in k} == trained, sorted(model_keys ^ trained)
+    base = json.loads((ckpt / "megatron_alp.json").read_text())["lora_base"]
+    tensors = load_file(lora_run / "base_model" / "model.safetensors")
+    assert base["dir"] == str(lora_run / "base_model") and base["tensors"] == len(tensors), base
     hf = json.loads((lora_run / "base_model" / "config.json").read_text())
     adapters = sum(math.prod(s) for k, s in sizes.items() if k.startswith("optimizer.state.exp_avg.") and "_lora." in k)
     assert adapters == _adapter_numel(hf, rank=8), (adapters, _adapter_numel(hf, rank=8))
 
 
+def _saved_tensors(ckpt: Path, out: Path) -> dict:
+    """Every tensor of a distributed checkpoint (model and optimizer state), read without a process group."""
+    dcp_to_torch_save(str(ckpt), str(out))
+    return {k: v for k, v in torch.load(out, weights_only=False).items() if torch.is_tensor(v)}
+
+
 @pytest.mark.slow  # the exact resume of adapters and their optimizer state: tests/test_lora.py
 def test_a_lora_run_resumes_to_the_same_metrics(lora_run, tmp_path):
-    """A run stopped after iteration 1's checkpoint and resumed reproduces the straight run."""
+    """A run stopped after iteration 1's checkpoint (adapters, sigmas and optimizer state, no base) and
+    resumed, its base read back from its base model folder, reproduces the straight run: the same
+    metrics, and the same tensors in the last checkpoint."""
     run = tmp_path / "resumed"
     copy_run(lora_run, run, base_model_only=True)
     lora_train(run, "trainer.iterations=1", "trainer.save_interval=1")
@@ -75,6 +94,27 @@ def test_a_lora_run_resumes_to_the_same_metrics(lora_run, tmp_path):
     for a, b in zip(metrics(run), metrics(lora_run)):
         for key in ROLLOUT_KEYS + ("loss/policy", "grad_norm", "kl_ref/mean"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-9), (a["iteration"], key, a[key], b[key])
+    last = "checkpoints/iter_0000002"
+    got, want = (_saved_tensors(r / last, tmp_path / f"{r.name}.pt") for r in (run, lora_run))
+    assert sorted(got) == sorted(want) and any("_lora.B" in k for k in got), sorted(set(got) ^ set(want))[:5]
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+
+
+def test_a_changed_base_model_is_refused_at_resume_in_one_line(lora_run, tmp_path):
+    """The run's base model folder rewritten with one tensor scaled (same names, shapes and sizes): the
+    resume stops before any engine starts, naming the checkpoint, the folder and what differs."""
+    run = copy_run(lora_run, tmp_path / "changed")
+    weights = run / "base_model" / "model.safetensors"
+    tensors = load_file(weights)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] * 2
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    rc, out = train(run, *RUN, "trainer.iterations=3", config=QUICKSTART_LORA)
+    ckpt = run / "checkpoints" / "iter_0000002"
+    assert rc != 0, out[-3000:]
+    assert (f"megatron-alp train: error: {ckpt}: its LoRA base {run / 'base_model'} holds other weights than the "
+            f"adapters were trained on: the same {len(tensors)} tensors") in out, out[-3000:]
+    assert "rollout engine:" not in out, out[-3000:]
 
 
 def _peft_numel(hf: dict, rank: int) -> int:

@@ -1,9 +1,12 @@
 """A run's checkpoints: when (the run shape's schedule), where (``RUN/checkpoints/iter_N``, the
 newest ``trainer.keep_checkpoints`` kept), and what: the learner's model, optimizer and scheduler,
 and the resume state of the run's stateful components (the trainer's progress, the learner's step
-count, the batch source's prompt position), each a few keys of the checkpoint's ``extra``. A
-resume restores the same components from the newest intact checkpoint (one damaged by a kill is
-skipped with a line saying why)."""
+count, the batch source's prompt position), each a few keys of the checkpoint's ``extra``. A LoRA
+run's checkpoints leave out the frozen base and record the run's base model folder and its
+fingerprint instead (:mod:`megatron_alp.training.lora_base`), taken when the run starts, before the
+base is loaded. A resume restores the same components from the newest intact checkpoint (one damaged
+by a kill is skipped with a line saying why), a LoRA run's base from the run's base model folder,
+refused if its weights are not the ones the checkpoint recorded."""
 
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from megatron_alp.training.dist_checkpoint import (
     save_checkpoint,
 )
 from megatron_alp.training.learner import Learner
+from megatron_alp.training.lora_base import LoRABase
 
 
 class Stateful(Protocol):
@@ -37,9 +41,11 @@ class Stateful(Protocol):
 
 
 class Checkpointer:
-    def __init__(self, run_dir: Path, shape: RunShape, *, keep: int, hf_dir: Path, phases: PhaseRunner, rank: int):
+    def __init__(self, run_dir: Path, shape: RunShape, *, keep: int, hf_dir: Path, lora: bool, phases: PhaseRunner,
+                 rank: int):
         self.run_dir, self.shape, self.keep, self.hf_dir = run_dir, shape, keep, hf_dir
         self.phases, self.rank = phases, rank
+        self.lora_base = LoRABase.of(hf_dir) if lora else None  # the frozen base, as the policy reads it
 
     def due(self, done: int) -> bool:
         """A checkpoint after ``done`` iterations (every ``trainer.save_interval`` and after the last)."""
@@ -50,10 +56,11 @@ class Checkpointer:
         return intact_checkpoint(self.run_dir, log=say if self.rank == 0 else lambda line: None)
 
     def load(self, ckpt: Path, learner: Learner, perturbed: bool) -> dict:
-        """The learner's weights, optimizer and scheduler from ``ckpt``; returns the components'
-        state (:meth:`restore` gives it to them once they exist)."""
+        """The learner's weights (a LoRA run's frozen base from the run's base model folder), optimizer
+        and scheduler from ``ckpt``; returns the components' state (:meth:`restore` gives it to them
+        once they exist)."""
         extra = load_checkpoint(ckpt, learner.module, optimizer=learner.optimizer,
-                                opt_param_scheduler=learner.scheduler)
+                                opt_param_scheduler=learner.scheduler, base_dir=self.hf_dir)
         line = relayout_line(ckpt, read_metadata(ckpt).get("layout", {}), current_layout(learner.optimizer),
                              perturbed=perturbed)
         if line and self.rank == 0:
@@ -77,7 +84,7 @@ class Checkpointer:
         where = checkpoint_dir(self.run_dir, iteration)
         with watching(self.phases.watch, saving=where):
             save_checkpoint(where, learner.module, optimizer=learner.optimizer, opt_param_scheduler=learner.scheduler,
-                            extra=extra, hf_dir=self.hf_dir, before_commit=kill_during_save)
+                            extra=extra, hf_dir=self.hf_dir, lora_base=self.lora_base, before_commit=kill_during_save)
         if self.rank == 0:
             prune_checkpoints(self.run_dir, self.keep, upto=iteration)
         dist.barrier()

@@ -105,7 +105,8 @@ class RLTrainer:
         self.reward_fn = build_reward(cfg.reward) if self.rank == 0 else None
         self.args = hf_to_megatron(load_hf_config(self.model_dir))
         self.checkpointer = Checkpointer(self.run_dir, self.shape, keep=cfg.trainer.keep_checkpoints,
-                                         hf_dir=self.model_dir, phases=self.phases, rank=self.rank)
+                                         hf_dir=self.model_dir, lora=cfg.lora.enabled, phases=self.phases,
+                                         rank=self.rank)
         resumed = self._build_learner()
         self._start_rollout()
         self.batches = build_batch_source(cfg, self.rollout, self.sampler, Scorer(cfg, self.reward_fn),

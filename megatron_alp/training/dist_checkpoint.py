@@ -24,10 +24,15 @@ ALP sigmas are saved under one key per global layer (``decoder.layers.{i}.alp_pe
 stacked tensor with holes cannot be written, and per-layer keys make sigma i land on layer i
 under any pipeline split.
 
-LoRA adapters are saved with the base weights, sharded like their layers
+LoRA adapters are saved sharded like their layers
 (:meth:`~megatron_alp.models.lora.LoRAAdapter.sharded_state_dict`), so they reshard like them; the
 metadata's ``lora`` (their config, null without adapters) says whether a checkpoint has them, and
-``load_checkpoint(..., base_only=True)`` starts a LoRA model from a checkpoint without them.
+``load_checkpoint(..., base_only=True)`` starts a LoRA model from a checkpoint without them. A LoRA
+run's checkpoint (``save_checkpoint(..., lora_base=...)``) holds no base weights: only the adapters,
+sigmas and optimizer state, with the base's Hugging Face folder and fingerprint in the metadata's
+``lora_base`` (:mod:`megatron_alp.training.lora_base`); a load reads the base from that folder (or
+``base_dir``), refusing one whose weights changed. Checkpoints that hold the base weights (``lora_base``
+null or absent: earlier LoRA checkpoints, converted ones) load as before.
 """
 
 from __future__ import annotations
@@ -58,10 +63,17 @@ from megatron.core.utils import unwrap_model
 
 from megatron_alp.config import InputError
 from megatron_alp.models.families import load_hf_config
-from megatron_alp.models.hf_weights import check_model_matches, copy_hf_side_files, global_name, make_tmp_dir
+from megatron_alp.models.hf_weights import (
+    check_model_matches,
+    copy_hf_side_files,
+    global_name,
+    load_hf_weights,
+    make_tmp_dir,
+)
 from megatron_alp.models.lora import adapters, lora_metadata
 from megatron_alp.models.weight_mapping import is_adapter, is_sigma
 from megatron_alp.training.checksums import damage, write_manifest
+from megatron_alp.training.lora_base import LoRABase, verified_base
 from megatron_alp.training.perturbation import controller_of
 
 META_FILE = "megatron_alp.json"
@@ -113,6 +125,11 @@ def save_transient(buffers: list[tuple[int, int]], staged: int, metadata: Option
         return SaveTransient(0, host, "optimizer state gathered over gloo on the host: none on the GPU")
     gpu, params, dp = max((4 * params + 4 * params // dp, params, dp) for params, dp in buffers)
     return SaveTransient(gpu, host, f"NCCL all-gather of one fp32 state: {params / 1e9:.2f}B x 4 B x (1 + 1/DP{dp})")
+
+
+def _is_base_weight(key: str) -> bool:
+    """A frozen base weight of a LoRA model: not an adapter, a sigma or Megatron's ``_extra_state``."""
+    return not (is_adapter(key) or is_sigma(key) or key.endswith("_extra_state"))
 
 
 def model_sharded_state_dict(model) -> dict:
@@ -410,6 +427,7 @@ def save_checkpoint(
     extra: dict | None = None,
     hf_config: dict | None = None,
     hf_dir=None,
+    lora_base: LoRABase | None = None,
     before_commit: Callable[[Path], None] | None = None,
 ) -> None:
     """Save ``model`` (and optionally the Megatron optimizer and LR scheduler) to ``ckpt_dir``.
@@ -418,6 +436,9 @@ def save_checkpoint(
     ``hf_dir``: the HF model directory the model was built from; its tokenizer and generation
     files go to ``hf/`` and its ``config.json`` into the metadata (``hf_config`` given instead
     takes precedence), so the checkpoint exports to a loadable HF directory on its own.
+    ``lora_base``: the record of the HF folder a LoRA model's frozen base was read from
+    (:class:`LoRABase`); the checkpoint then holds the adapters, sigmas and optimizer state without
+    the base weights, and keeps the record for the load.
     ``before_commit(tmp_dir)`` runs on every rank once all files are written, before the rename
     (for adding files, or for fault-injection tests). An existing ``ckpt_dir`` is replaced.
     """
@@ -426,10 +447,15 @@ def save_checkpoint(
     model = unwrap_model(model)
     if hf_config is None and hf_dir is not None:
         hf_config = load_hf_config(hf_dir)  # on every rank: a bad hf_dir fails them all, before any collective
+    if lora_base is not None and not adapters(model):
+        raise ValueError(f"{ckpt_dir}: lora_base given for a model without LoRA adapters (its weights are all "
+                         "trained: they go into the checkpoint)")
     final = Path(ckpt_dir).absolute()
     tmp = _shared_tmp_dir(final)
     try:
         state = {"model": model_sharded_state_dict(model)}
+        if lora_base is not None:
+            state["model"] = {k: v for k, v in state["model"].items() if not _is_base_weight(k)}
         if optimizer is not None:
             check_optimizer_groups(optimizer)
             with _optimizer_state_io(optimizer, loading=False):
@@ -451,6 +477,7 @@ def save_checkpoint(
                 "hf_config": hf_config,
                 "perturbation": _perturbation(model),
                 "lora": lora_metadata(model),
+                "lora_base": None if lora_base is None else dataclasses.asdict(lora_base),
                 "has_optimizer": optimizer is not None,
                 "has_scheduler": opt_param_scheduler is not None,
                 "extra": {k: v for k, v in (extra or {}).items() if isinstance(v, (int, float, str, bool))},
@@ -538,6 +565,15 @@ def read_metadata(ckpt_dir) -> dict:
     return meta
 
 
+def _requested_model_state(model, meta: dict, base_only: bool) -> dict:
+    """The model's sharded state to read from a checkpoint of metadata ``meta``: without the adapters
+    when it has none or ``base_only`` (asking for absent gated-fc1 B factors fails in Megatron), and
+    without the base weights when it left them out."""
+    skip_adapters, skip_base = base_only or not meta.get("lora"), bool(meta.get("lora_base"))
+    return {k: v for k, v in model_sharded_state_dict(model).items()
+            if not (skip_adapters and is_adapter(k)) and not (skip_base and _is_base_weight(k))}
+
+
 def _is_optimizer_key(key: str) -> bool:
     """Optimizer state: ``optimizer.``, or ``chained_N.optimizer.`` where Megatron chains optimizers
     (the experts' own one at EP>1)."""
@@ -545,7 +581,7 @@ def _is_optimizer_key(key: str) -> bool:
 
 
 def load_checkpoint(ckpt_dir, model, *, optimizer=None, opt_param_scheduler=None, strict=True,
-                    base_only=False) -> dict:
+                    base_only=False, base_dir=None) -> dict:
     """Load a checkpoint into ``model`` (any DP/TP/PP/EP layout); returns the saved ``extra`` dict.
 
     ``strict``: every model parameter must be in the checkpoint and every checkpointed model
@@ -557,6 +593,11 @@ def load_checkpoint(ckpt_dir, model, *, optimizer=None, opt_param_scheduler=None
     checkpoint saved without adapters (its adapters keep their initial values), and a model
     without adapters takes the base weights of a LoRA checkpoint. No optimizer state: it belongs
     to the parameters the checkpoint trained, which are not the model's.
+
+    A LoRA checkpoint without base weights (its metadata's ``lora_base``) first fills the model's
+    base from the HF folder it records, or from ``base_dir`` (the same weights elsewhere), with
+    :func:`~megatron_alp.models.hf_weights.load_hf_weights`; a folder that is gone or holds other
+    weights is refused (:func:`~megatron_alp.training.lora_base.verified_base`).
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
@@ -571,9 +612,7 @@ def load_checkpoint(ckpt_dir, model, *, optimizer=None, opt_param_scheduler=None
     if strict and not base_only and adapters(model) and not meta.get("lora"):
         raise ValueError(f"{ckpt}: holds no LoRA adapters (saved without them) for this LoRA model; load it with "
                          "base_only=True to take its base weights and keep the adapters' initial values")
-    state = {"model": model_sharded_state_dict(model)}
-    if base_only or not meta.get("lora"):  # asking for absent gated-fc1 B factors fails in Megatron
-        state["model"] = {k: v for k, v in state["model"].items() if not is_adapter(k)}
+    state = {"model": _requested_model_state(model, meta, base_only)}
     if optimizer is not None:
         if not meta.get("has_optimizer"):
             raise ValueError(f"{ckpt}: holds no optimizer state (saved without an optimizer)")
@@ -586,6 +625,9 @@ def load_checkpoint(ckpt_dir, model, *, optimizer=None, opt_param_scheduler=None
         if not meta.get("has_scheduler"):
             raise ValueError(f"{ckpt}: holds no learning-rate scheduler state")
         state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
+    from_folder = bool(meta.get("lora_base"))  # the base weights are not in the checkpoint: read after the checks
+    if from_folder:
+        load_hf_weights(model, verified_base(ckpt, meta["lora_base"], base_dir).dir)
     loaded, ckpt_only, model_only = dist_checkpointing.load(state, str(ckpt), strict=StrictHandling.RETURN_ALL)
     missing_sigmas = sorted(k for k in model_only if is_sigma(k))
     if missing_sigmas and any(is_sigma(k) for k in ckpt_only) and _rank() == 0:
@@ -604,7 +646,7 @@ def load_checkpoint(ckpt_dir, model, *, optimizer=None, opt_param_scheduler=None
     result = model.load_state_dict(loaded["model"], strict=False)
     if strict:
         left = [k for k in result.missing_keys if not is_sigma(k) and not k.endswith("_extra_state")
-                and not (base_only and is_adapter(k))]
+                and not (base_only and is_adapter(k)) and not (from_folder and _is_base_weight(k))]
         if left:
             raise ValueError(f"{ckpt}: no value for model parameter {left[0]}")
     if optimizer is not None:

@@ -9,7 +9,8 @@ TP/PP/EP, HF names, the checkpoint's dtype, ALP sigmas never included) and rank 
 come from the checkpoint (or ``hf_ref``); the folder appears only when complete. A checkpoint
 trained with LoRA records its adapters' config (``lora`` in its metadata): the model is rebuilt
 with the same adapters, so the HF export is the merged model ``W + s B A`` and the PEFT export
-(:mod:`megatron_alp.models.lora_export`) the adapters alone.
+(:mod:`megatron_alp.models.lora_export`) the adapters alone. A LoRA checkpoint without base weights
+reads them from the base folder it records, or from ``base_dir`` (``--base``) when that folder moved.
 """
 
 from __future__ import annotations
@@ -87,16 +88,17 @@ def hf_config_for_export(hf_config: dict, dtype: str) -> dict:
 
 
 def export_hf(mcore_dir, out_dir, parallel, *, hf_ref: Optional[str] = None, layer_spec: str = "auto",
-              max_shard_bytes: int = 5 << 30) -> None:
+              max_shard_bytes: int = 5 << 30, base_dir=None) -> None:
     """Write the HF directory ``out_dir`` from the checkpoint ``mcore_dir`` (every rank of the
-    layout ``parallel`` calls it; rank 0 writes)."""
+    layout ``parallel`` calls it; rank 0 writes); ``base_dir``: a LoRA checkpoint's base folder, if
+    not the recorded one."""
     mcore_dir = Path(mcore_dir)
     dtype = read_metadata(mcore_dir)["dtype"]
     hf_config, hf_files = hf_source(mcore_dir, hf_ref, need_tokenizer=True)
     init_distributed(parallel)
     model = weightless_model(hf_config, parallel, dtype, layer_spec, source=str(mcore_dir),
                              lora=checkpoint_lora(mcore_dir))
-    load_checkpoint(mcore_dir, model)
+    load_checkpoint(mcore_dir, model, base_dir=base_dir)
     weights = iter_hf_weights(model, bucket_bytes=min(512 << 20, max(max_shard_bytes // 4, 1)))  # merged
 
     def add_files(tmp: Path) -> None:
@@ -112,15 +114,15 @@ def export_hf(mcore_dir, out_dir, parallel, *, hf_ref: Optional[str] = None, lay
 
 
 def export_peft(mcore_dir, out_dir, parallel, *, hf_ref: Optional[str] = None, layer_spec: str = "auto",
-                base_model: Optional[str] = None) -> None:
+                base_model: Optional[str] = None, base_dir=None) -> None:
     """Write the adapters of the LoRA checkpoint ``mcore_dir`` as the PEFT adapter directory
     ``out_dir``, recording ``base_model`` as its ``base_model_name_or_path`` (every rank of the
-    layout ``parallel`` calls it; rank 0 writes)."""
+    layout ``parallel`` calls it; rank 0 writes); ``base_dir`` as for :func:`export_hf`."""
     mcore_dir = Path(mcore_dir)
     lora = adapter_lora(mcore_dir)
     hf_config, _ = hf_source(mcore_dir, hf_ref, need_tokenizer=False)
     init_distributed(parallel)
     model = weightless_model(hf_config, parallel, read_metadata(mcore_dir)["dtype"], layer_spec,
                              source=str(mcore_dir), lora=lora)
-    load_checkpoint(mcore_dir, model)
+    load_checkpoint(mcore_dir, model, base_dir=base_dir)
     export_peft_adapter(model, out_dir, lora, base_model_name_or_path=base_model)

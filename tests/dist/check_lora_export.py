@@ -7,11 +7,17 @@ On one rank, first the tiny HF base models (``WORK/<family>/``, seeds SEEDS), th
 Megatron model with LoRA, load the HF base, draw a nonzero B for every adapter (A is random already),
 save the full adapters and the fp32 log-probabilities of a fixed batch to ``WORK/<family>_ref.pt``,
 and write ``WORK/<family>_1rank/{merged,peft}``; for Qwen3 also save the model as a Megatron
-checkpoint (``WORK/qwen3_ckpt``), and its base model without adapters (``WORK/qwen3_base_ckpt``),
-for the ``convert`` command; last, that command by the CLI's own entry (``WORK/commands.json``: step ->
-rc, out, err): ``mcore-to-peft`` of qwen3_ckpt -> ``WORK/cli_peft``, ``mcore-to-hf`` -> ``WORK/cli_hf``
-and ``verify`` of that against the checkpoint. On two ranks, at each layout of LAYOUTS: the same
-base and adapters (loaded from the 1-rank run) written to ``WORK/<family>_<layout>/{merged,peft}``.
+checkpoint as a LoRA run does, its base folder ``WORK/qwen3`` recorded (``WORK/qwen3_ckpt``), the same
+recording a copy of that folder that then moves to ``WORK/qwen3_moved`` (``WORK/qwen3_ckpt_moved``),
+and its base model without adapters (``WORK/qwen3_base_ckpt``), for the ``convert`` command; last, that
+command by the CLI's own entry (``WORK/commands.json``: step -> rc, out, err): ``mcore-to-peft`` of
+qwen3_ckpt -> ``WORK/cli_peft``, ``mcore-to-hf`` -> ``WORK/cli_hf`` and ``verify`` of that against the
+checkpoint; ``mcore-to-hf`` of qwen3_ckpt_moved without ``--base`` (refused), with ``--base
+WORK/qwen3_moved`` (-> ``WORK/cli_hf_moved``), and of qwen3_ckpt with ``--base`` naming a model of
+the same shapes and other weights (refused); ``reshard`` of qwen3_ckpt_moved with ``--base`` (->
+``WORK/resharded``) and ``mcore-to-hf`` of that (-> ``WORK/cli_hf_resharded``). On two ranks, at each
+layout of LAYOUTS: the same base and adapters (loaded from the 1-rank run) written to
+``WORK/<family>_<layout>/{merged,peft}``.
 """
 
 import json
@@ -30,6 +36,7 @@ from megatron_alp.models.lora import lora_state
 from megatron_alp.models.lora_export import export_peft_adapter
 from megatron_alp.models.tiny import make_tiny_model
 from megatron_alp.training.dist_checkpoint import save_checkpoint
+from megatron_alp.training.lora_base import LoRABase
 
 LORA = {"qwen3": LoRAConfig(enabled=True, rank=4, alpha=8.0),  # every dense target
         "qwen3_moe": LoRAConfig(enabled=True, rank=4, alpha=8.0,
@@ -73,7 +80,12 @@ def reference(family: str, work: Path) -> None:
     torch.save({"tokens": batch, "logprobs": logprobs, "adapters": adapters}, work / f"{family}_ref.pt")
     write_exports(model, family, work, work / f"{family}_1rank")
     if family == "qwen3":
-        save_checkpoint(work / "qwen3_ckpt", model, hf_dir=work / family)
+        save_checkpoint(work / "qwen3_ckpt", model, hf_dir=work / family, lora_base=LoRABase.of(work / family))
+        shutil.copytree(work / family, work / "qwen3_to_move")
+        save_checkpoint(work / "qwen3_ckpt_moved", model, hf_dir=work / family,
+                        lora_base=LoRABase.of(work / "qwen3_to_move"))
+        os.replace(work / "qwen3_to_move", work / "qwen3_moved")
+        make_tiny_model(family, work / "qwen3_other", seed=SEEDS[family] + 10)
         base = build(family, reinit())
         load_hf_weights(base, work / family)
         save_checkpoint(work / "qwen3_base_ckpt", base, hf_dir=work / family)
@@ -94,6 +106,15 @@ def commands(work: Path) -> None:
                                 "--base-model", str(work / "qwen3")], work, "peft"),
            "hf": run_command(["convert", "mcore-to-hf", "--mcore", ckpt, "--out", str(work / "cli_hf")], work, "hf")}
     out["verify"] = run_command(["convert", "verify", "--hf", str(work / "cli_hf"), "--mcore", ckpt], work, "verify")
+    moved, hf = str(work / "qwen3_ckpt_moved"), ["convert", "mcore-to-hf", "--mcore"]
+    base_moved, base_other = ["--base", str(work / "qwen3_moved")], ["--base", str(work / "qwen3_other")]
+    out["hf_gone"] = run_command([*hf, moved, "--out", str(work / "cli_hf_gone")], work, "hf_gone")
+    out["hf_moved"] = run_command([*hf, moved, "--out", str(work / "cli_hf_moved"), *base_moved], work, "hf_moved")
+    out["hf_other"] = run_command([*hf, ckpt, "--out", str(work / "cli_hf_other"), *base_other], work, "hf_other")
+    out["reshard"] = run_command(["convert", "reshard", "--mcore", moved, "--out", str(work / "resharded"),
+                                  *base_moved], work, "reshard")
+    out["hf_resharded"] = run_command([*hf, str(work / "resharded"), "--out", str(work / "cli_hf_resharded")], work,
+                                      "hf_resharded")
     (work / "commands.json").write_text(json.dumps(out, indent=1))
 
 

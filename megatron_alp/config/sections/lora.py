@@ -28,8 +28,10 @@ class LoRAConfig(_Section):
     enabled: bool = Field(
         False,
         description="Train low-rank adapters on a frozen base instead of the full model. The base comes from "
-        "`model.hf_path` (or the tiny model), not `model.load`; checkpoints hold base and adapters, `megatron-alp "
-        "convert mcore-to-peft` exports the adapters for `peft` and `mcore-to-hf` the merged model.",
+        "`model.hf_path` (or the tiny model), not `model.load`; checkpoints hold the adapters, sigmas and optimizer "
+        "state and record the base's folder and fingerprint instead of its weights (a resume refuses a changed "
+        "base), `megatron-alp convert mcore-to-peft` exports the adapters for `peft` and `mcore-to-hf` the merged "
+        "model.",
     )
     rank: int = Field(16, gt=0, description="Rank r of every adapter (A: r x in, B: out x r).")
     alpha: Optional[float] = Field(
