@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lora_sizes import train  # noqa: E402  (benchmarks/ is not a package)
 
 MIB = 2**20
-COMMON = ["trainer.save_interval=0", "trainer.eval_interval=0", "trainer.validate_base=false",
+COMMON = ["trainer.eval_interval=0", "trainer.validate_base=false",
           "trainer.progress_bar=false", "rollout.verify_sync=true"]
 RUNS = {"full": ["rollout.sync_delta=false"], "delta": ["rollout.sync_delta=true"]}
 # what the two runs may differ in: clocks, memory, the sync's own accounting
@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out.resolve()
     if any((out / name).exists() for name in RUNS):
         raise SystemExit(f"bench_sync: {out} already holds runs: choose another --out")
-    overrides = [*COMMON, f"trainer.iterations={args.iterations}", f"rollout.sync_delta_anchor={args.anchor}",
+    overrides = [*COMMON, f"trainer.iterations={args.iterations}", f"trainer.save_interval={args.iterations}",
+                 f"rollout.sync_delta_anchor={args.anchor}",
                  *args.overrides]
     for name, extra in RUNS.items():
         run_dir = out / name

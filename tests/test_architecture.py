@@ -163,7 +163,7 @@ def test_registries_are_the_one_list_of_their_members():
     from megatron_alp.models.families import FAMILIES
     from megatron_alp.resolve import REGISTRIES, config_from_dict
     from megatron_alp.rollout.vllm.engine import VLLMEngine
-    from megatron_alp.rollout.vllm.transports import TRANSPORTS
+    from megatron_alp.rollout.transports import TRANSPORTS
 
     for module, option in ((smoke, "--family"), (make_tiny, "family")):
         parser = argparse.ArgumentParser()

@@ -16,7 +16,9 @@ from safetensors.torch import load_file
 
 from megatron_alp.algorithms.mismatch import format_mismatch, mismatch_stats
 from megatron_alp.models.hf_weights import INDEX_FILE
-from megatron_alp.rollout.weight_sync import BucketWriter, WeightStream, layer_buckets, write_hf_checkpoint
+from megatron_alp.config import LoRAConfig, RolloutConfig
+from megatron_alp.rollout.weight_sync import BucketWriter, SyncFolder, WeightStream, layer_buckets, write_hf_checkpoint
+from megatron_alp.sync import AdapterWeights, FullWeights, weight_source
 
 
 def _weights(n=6, size=1000):
@@ -71,6 +73,41 @@ def test_checkpoint_folder_is_sharded_by_bucket_and_atomic(tmp_path, tiny_model)
         write_hf_checkpoint([weights[0], weights[0]], tmp_path / "w3", bucket_bytes=9000, config_dir=model_dir)
     with pytest.raises(FileExistsError):
         write_hf_checkpoint(weights, out, bucket_bytes=9000, config_dir=model_dir)
+
+
+def test_a_sync_folder_is_always_the_whole_model(tmp_path, tiny_model):
+    """SyncFolder: a stream that leaves tensors out (a delta sync's changed tensors) is completed from
+    the current folder; the folder before goes once the engine took the new one."""
+    model_dir = tiny_model("qwen3", seed=1)
+    folders = SyncFolder(str(tmp_path), model_dir, bucket_bytes=9000)
+    weights = _weights(4, 1000)
+    first = folders.write(weights)
+    folders.commit(first)
+    changed = [(weights[1][0], weights[1][1] + 1.0)]
+    second = folders.write(changed)
+    assert folders.current == first  # not current until committed
+    folders.commit(second)
+    assert folders.current == second and not first.exists()
+    loaded = {}
+    for shard in second.glob("*.safetensors"):
+        loaded.update(load_file(shard))
+    assert sorted(loaded) == sorted(n for n, _ in weights)
+    for i, (name, tensor) in enumerate(weights):
+        assert torch.equal(loaded[name], tensor + 1.0 if i == 1 else tensor), name
+    folders.close()
+    assert not folders.current and not second.exists()
+
+
+def test_delta_sync_compares_in_the_dtype_the_engine_is_sent():
+    """A casting engine (bf16): changes below bf16's precision are no change; a quantizing engine
+    quantizes what it is sent, so its delta compares the trainer's own values; adapter sync wins."""
+    bf16 = RolloutConfig(dtype="bfloat16", sync_delta=True)
+    assert weight_source(bf16).export.dtype == torch.bfloat16
+    assert weight_source(bf16.model_copy(update={"quantization": "fp8"})).export.dtype is None
+    assert weight_source(bf16.model_copy(update={"dtype": "auto"})).export.dtype is None
+    assert isinstance(weight_source(bf16.model_copy(update={"sync_delta": False})), FullWeights)
+    adapter = LoRAConfig(enabled=True, rank=4, sync="adapter")
+    assert isinstance(weight_source(bf16, adapter), AdapterWeights)
 
 
 def test_mismatch_statistics():

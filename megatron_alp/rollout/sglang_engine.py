@@ -36,7 +36,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -67,7 +66,8 @@ from megatron_alp.rollout.base import (
 from megatron_alp.rollout.engine_memory import SGLangMemory
 from megatron_alp.rollout.placement import Placement, placement_vars
 from megatron_alp.rollout.quantization import check_model_not_prequantized, sglang_quantization_args
-from megatron_alp.rollout.weight_sync import SyncFolder, WeightStream, is_finite
+from megatron_alp.rollout.transports import Folder
+from megatron_alp.rollout.weight_sync import WeightStream, is_finite
 from megatron_alp.runtime.platform import has_gpu
 
 def check_sglang_sampling(params: SamplingParams) -> None:
@@ -174,8 +174,8 @@ class SGLangEngine(RolloutEngine):
         self._routing_shape = (int(hf.get("num_hidden_layers", 0)), int(hf.get("num_experts_per_tok", 0)),
                                num_experts(hf))
         self._max_len = resolve_max_model_len(cfg, hf)
-        self.folders = SyncFolder(cfg.sync_dir, self.model_dir, cfg.sync_bucket_mb << 20)
-        self._log_path = self.folders.root / "sglang_server.log"
+        self.transport = Folder(cfg, self.model_dir)  # the server reloads from, and restarts from, its folders
+        self._log_path = self.transport.folders.root / "sglang_server.log"
         self._proc: Optional[subprocess.Popen] = None
         self.restarts = 0
         # Replicas on one node listen on consecutive ports.
@@ -198,7 +198,7 @@ class SGLangEngine(RolloutEngine):
     def _start(self) -> None:
         env = {k: v for k, v in os.environ.items() if k != "SGLANG_RETURN_ORIGINAL_LOGPROB"}
         env.update(placement_vars(self.placement))  # the replica's GPUs
-        cmd = server_command(self.cfg, str(self.folders.current or self.model_dir), str(self.model_dir),
+        cmd = server_command(self.cfg, str(self.transport.start_dir or self.model_dir), str(self.model_dir),
                              self._max_len, self.seed, self._port)
         log = open(self._log_path, "ab")
         try:
@@ -228,9 +228,9 @@ class SGLangEngine(RolloutEngine):
             return False
 
     def keeps_weights(self) -> bool:
-        return self._alive()
+        return self.alive()
 
-    def _alive(self) -> bool:
+    def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
     def _stop(self) -> None:
@@ -251,10 +251,10 @@ class SGLangEngine(RolloutEngine):
 
     def shutdown(self) -> None:
         self._stop()
-        self.folders.close()
+        self.transport.close()
 
     def engine_pids(self) -> list[int]:
-        return [self._proc.pid] if self._alive() else []
+        return [self._proc.pid] if self.alive() else []
 
     def _post(self, path: str, payload: dict, timeout: float):
         data = json.dumps(payload).encode()
@@ -276,21 +276,21 @@ class SGLangEngine(RolloutEngine):
     # -------------------------------------------------------------------------- weights
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        folder = self.folders.write(WeightStream(weights))
+        self.transport.send(self, WeightStream(weights))
+        self.memory.synced()
+
+    def reload_folder(self, path: str) -> None:
+        """The receiving end of the :class:`~megatron_alp.rollout.transports.Folder` transport."""
         self.memory.wake_weights()  # the KV cache stays released beside Megatron's state
         try:
-            reply = self._post("/update_weights_from_disk", {"model_path": str(folder)},
-                               timeout=self.cfg.request_timeout_s)
+            reply = self._post("/update_weights_from_disk", {"model_path": path}, timeout=self.cfg.request_timeout_s)
         except urllib.error.HTTPError as err:
             reply = {"success": False, "message": err.read().decode(errors="replace")}
         except (urllib.error.URLError, OSError) as err:
-            raise RolloutError(f"SGLang weight update failed ({err}); server alive: {self._alive()}; "
+            raise RolloutError(f"SGLang weight update failed ({err}); server alive: {self.alive()}; "
                                f"last log lines:\n{self._log_tail()}") from err
         if not (isinstance(reply, dict) and reply.get("success")):
-            shutil.rmtree(folder, ignore_errors=True)
             raise RolloutError(f"SGLang refused the weight update: {reply}")
-        self.memory.synced()
-        self.folders.commit(folder)
 
     # --------------------------------------------------------------------------- generate
 
@@ -306,7 +306,7 @@ class SGLangEngine(RolloutEngine):
 
         def attempt(pending, number):
             notes = []
-            if not self._alive():
+            if not self.alive():
                 notes.append(f"server process had exited (code {self._proc.returncode if self._proc else None}); "
                              "restarted")
                 self._restart()
@@ -322,7 +322,7 @@ class SGLangEngine(RolloutEngine):
                 raise RolloutError(f"SGLang rejected the request (HTTP {err.code}): "
                                    f"{err.read().decode(errors='replace')[:2000]}") from err
             except (urllib.error.URLError, OSError) as err:  # timeout, connection refused/reset
-                if not self._alive():
+                if not self.alive():
                     notes.append(f"the server died ({err}); last log lines:\n{self._log_tail(10)}")
                     return {}, "; ".join(notes)
                 for rid in rids:

@@ -62,7 +62,7 @@ from megatron_alp.rollout.vllm.adapters import Adapters
 from megatron_alp.rollout.vllm.generation import EngineFailure, GenerationPass
 from megatron_alp.rollout.vllm.layer_capture import capture_layer_states
 from megatron_alp.rollout.vllm.process import EngineProcess, wants_subprocess
-from megatron_alp.rollout.vllm.transports import SYNC_METHODS, transport_for
+from megatron_alp.rollout.transports import SYNC_METHODS, transport_for
 from megatron_alp.rollout.weight_sync import WeightStream
 from megatron_alp.runtime.platform import has_gpu
 

@@ -28,7 +28,7 @@ from megatron_alp.rollout.engine_memory import VLLMMemory
 from megatron_alp.rollout.placement import Placement, placement_env
 from megatron_alp.rollout.vllm.adapters import Adapters, max_lora_rank
 from megatron_alp.rollout.vllm.plugin import ENGINE_RANK, SLEEP_WHEN_IDLE
-from megatron_alp.rollout.vllm.transports import WeightTransport
+from megatron_alp.rollout.transports import WeightTransport
 from megatron_alp.rollout.vllm.worker import WorkerExtension
 from megatron_alp.runtime.platform import has_gpu, reclaim_cpu_streams
 
@@ -277,6 +277,30 @@ class EngineProcess:
         client = _in_process_client(self.llm)
         executor = getattr(getattr(client, "engine_core", None), "model_executor", None)
         return getattr(getattr(executor, "driver_worker", None), "worker", None)
+
+    # ------------------------------------------------------------------ the weight receiver
+    # (megatron_alp.rollout.transports.Receiver): the workers' ends are rollout/vllm/worker.py's
+
+    def load(self, weights) -> None:
+        self.in_process_worker().reload_weights(weights_iterator=weights)
+
+    def begin_reload(self) -> None:
+        self.rpc("begin_weight_reload")
+
+    def end_reload(self) -> None:
+        self.rpc("end_weight_reload")
+
+    def load_bucket(self, handle: bytes) -> None:
+        self.rpc("load_weight_bucket", args=(handle,))
+
+    def join_broadcast(self, spec: dict) -> None:
+        self.rpc("join_weight_broadcast", args=(spec,))
+
+    def receive_bucket(self, header: tuple) -> None:
+        self.rpc("receive_weight_bucket", args=(header,))
+
+    def reload_folder(self, path: str) -> None:
+        self.rpc("reload_weights", kwargs={"weights_path": path})
 
     def rpc(self, method: str, args: tuple = (), kwargs: Optional[dict] = None):
         """Call ``method`` on every worker (vLLM's ``collective_rpc``), bounded by ``request_timeout_s``."""

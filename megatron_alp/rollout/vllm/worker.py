@@ -55,7 +55,7 @@ def layer_tensor(packed) -> torch.Tensor:
 
 class WorkerExtension:
     """Mixed into vLLM's worker class: the receiving ends of the weight transports
-    (:mod:`megatron_alp.rollout.vllm.transports`), and the per-layer capture."""
+    (:mod:`megatron_alp.rollout.transports`), and the per-layer capture."""
 
     def begin_weight_reload(self) -> None:
         """Open one reload session for a whole weight sync: the buckets that follow

@@ -1,31 +1,35 @@
-"""How a weight sync reaches a vLLM engine's workers: one class per way, declared once.
+"""How a weight sync reaches an engine's processes: one class per way, declared once, for any engine.
 
 ``rollout.sync_method`` names the way (:attr:`WeightTransport.method`); ``memory`` is taken by
-whichever of its two classes fits where the engine runs. Every transport consumes the bucketed
-stream of (HF name, full tensor) pairs lazily and ends in the workers' ``reload_weights``, which
-re-runs each layer's post-load processing (quantized engines re-quantize):
+whichever of its two classes fits where the engine runs. A transport does the sending side and
+calls the engine's :class:`Receiver`, the receiving ends an engine keeps (vLLM's
+:class:`~megatron_alp.rollout.vllm.process.EngineProcess` and its workers' extension; the SGLang
+server's reload endpoint); which ways an engine takes is its ``sync_methods``. Every transport
+consumes the bucketed stream of (HF name, full tensor) pairs lazily; the engine re-runs each layer's
+post-load processing (quantized engines re-quantize):
 
-- :class:`InProcess` (``memory``, engine in this process): the driver worker's
-  ``reload_weights(weights_iterator=...)`` takes the stream directly.
+- :class:`InProcess` (``memory``, engine in this process): the stream goes to the engine directly.
 - :class:`SharedBuckets` (``memory``, engine in its subprocess): each bucket of whole layers is
-  packed into a shared-memory segment (CPU) or a CUDA IPC buffer (GPU) that the workers map and
-  load from (:meth:`~megatron_alp.rollout.vllm.worker.WorkerExtension.load_weight_bucket`).
+  packed into a shared-memory segment (CPU) or a CUDA IPC buffer (GPU) that the engine's workers map
+  and load from.
 - :class:`Broadcast` (``broadcast``, engines on devices of their own): each bucket is broadcast
   from this process to the workers in a process group of their own
   (:mod:`megatron_alp.rollout.weight_broadcast`).
 
 Both bucketed transports load a whole sync in one reload session of the workers
 (:func:`reload_session`), not one per bucket.
-- :class:`Folder` (``folder``): a safetensors checkpoint in ``rollout.sync_dir`` that the workers
-  reload; it outlives an engine restart, which starts from it.
+- :class:`Folder` (``folder``): a safetensors checkpoint in ``rollout.sync_dir``
+  (:class:`~megatron_alp.rollout.weight_sync.SyncFolder`) that the engine reloads; it outlives an
+  engine restart, which starts from it.
 """
 
 from __future__ import annotations
 
 import abc
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import ClassVar, Iterable, Optional
+from typing import ClassVar, Iterable, Optional, Protocol
 
 import torch
 
@@ -36,18 +40,46 @@ from megatron_alp.rollout.weight_sync import BucketWriter, SyncFolder, layer_buc
 Weights = Iterable[tuple[str, torch.Tensor]]
 
 
+class Receiver(Protocol):
+    """The receiving ends of an engine's weights, each for the transports that use it (an engine
+    implements those of its ``sync_methods``)."""
+
+    def alive(self) -> bool:
+        """False once the engine's processes have ended (a broadcast stops waiting for them)."""
+
+    def load(self, weights: "Weights") -> None:
+        """:class:`InProcess`: load the stream in this process."""
+
+    def begin_reload(self) -> None:
+        """Open one reload session for the buckets of a sync (:func:`reload_session`)."""
+
+    def end_reload(self) -> None:
+        """Close it: layers no bucket reached keep their weights."""
+
+    def load_bucket(self, handle: bytes) -> None:
+        """:class:`SharedBuckets`: load the bucket behind ``handle`` (a shared-memory or CUDA IPC buffer)."""
+
+    def join_broadcast(self, spec: dict) -> None:
+        """:class:`Broadcast`: join the sender's group (a new one after every engine start)."""
+
+    def receive_bucket(self, header: tuple) -> None:
+        """:class:`Broadcast`: receive one bucket and load it."""
+
+    def reload_folder(self, path: str) -> None:
+        """:class:`Folder`: load the weights of a safetensors folder."""
+
+
 @contextmanager
-def reload_session(process):
-    """The workers' reload session around one sync's buckets
-    (:meth:`~megatron_alp.rollout.vllm.worker.WorkerExtension.begin_weight_reload`). A bucket that
-    fails leaves it open: the engine is then broken and restarted before its next use."""
-    process.rpc("begin_weight_reload")
+def reload_session(receiver: Receiver):
+    """The receiver's reload session around one sync's buckets. A bucket that fails leaves it open:
+    the engine is then broken and restarted before its next use."""
+    receiver.begin_reload()
     yield
-    process.rpc("end_weight_reload")
+    receiver.end_reload()
 
 
 class WeightTransport(abc.ABC):
-    """One way weights reach the workers of a :class:`~megatron_alp.rollout.vllm.engine.VLLMEngine`."""
+    """One way weights reach an engine's processes."""
 
     method: ClassVar[str]  # the rollout.sync_method it serves
     in_process: ClassVar[Optional[bool]] = None  # True / False: only for an engine in / out of this process
@@ -57,9 +89,8 @@ class WeightTransport(abc.ABC):
         self.cfg, self.model_dir = cfg, model_dir
 
     @abc.abstractmethod
-    def send(self, process, weights: Weights) -> None:
-        """Load ``weights`` into the workers of ``process`` (the engine's running
-        :class:`~megatron_alp.rollout.vllm.process.EngineProcess`)."""
+    def send(self, receiver: Receiver, weights: Weights) -> None:
+        """Load ``weights`` into the engine through its ``receiver``."""
 
     def engine_released(self) -> None:
         """The engine's processes are gone: end what was tied to them."""
@@ -85,8 +116,8 @@ class InProcess(WeightTransport):
     def name(self) -> str:
         return "in_process"
 
-    def send(self, process, weights: Weights) -> None:
-        process.in_process_worker().reload_weights(weights_iterator=weights)
+    def send(self, receiver: Receiver, weights: Weights) -> None:
+        receiver.load(weights)
 
 
 class SharedBuckets(WeightTransport):
@@ -96,13 +127,13 @@ class SharedBuckets(WeightTransport):
         super().__init__(cfg, model_dir)
         self._writer: Optional[BucketWriter] = None
 
-    def send(self, process, weights: Weights) -> None:
+    def send(self, receiver: Receiver, weights: Weights) -> None:
         if self._writer is None:
             self._writer = BucketWriter()
         try:
-            with reload_session(process):
+            with reload_session(receiver):
                 for bucket in layer_buckets(weights, self.cfg.sync_bucket_mb << 20):
-                    process.rpc("load_weight_bucket", args=(self._writer.pack(bucket),))
+                    receiver.load_bucket(self._writer.pack(bucket))
         finally:
             self._writer.release_device()
 
@@ -120,9 +151,13 @@ class Folder(WeightTransport):
         super().__init__(cfg, model_dir)
         self.folders = SyncFolder(cfg.sync_dir, model_dir, cfg.sync_bucket_mb << 20)
 
-    def send(self, process, weights: Weights) -> None:
+    def send(self, receiver: Receiver, weights: Weights) -> None:
         folder = self.folders.write(weights)
-        process.rpc("reload_weights", kwargs={"weights_path": str(folder)})
+        try:
+            receiver.reload_folder(str(folder))
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)  # the engine keeps (or restarts from) the current one
+            raise
         self.folders.commit(folder)
 
     @property
@@ -140,15 +175,14 @@ class Broadcast(WeightTransport):
         super().__init__(cfg, model_dir)
         self._sender: Optional[BroadcastSender] = None  # the broadcast group of the running engine's workers
 
-    def send(self, process, weights: Weights) -> None:
+    def send(self, receiver: Receiver, weights: Weights) -> None:
         if self._sender is None:
             self._sender = BroadcastSender(workers=self.cfg.tensor_parallel_size,
-                                           timeout_s=self.cfg.request_timeout_s, alive=process.alive)
+                                           timeout_s=self.cfg.request_timeout_s, alive=receiver.alive)
         try:
-            with reload_session(process):
+            with reload_session(receiver):
                 for bucket in layer_buckets(weights, self.cfg.sync_bucket_mb << 20):
-                    self._sender.send(bucket, join=lambda spec: process.rpc("join_weight_broadcast", args=(spec,)),
-                                      receive=lambda header: process.rpc("receive_weight_bucket", args=(header,)))
+                    self._sender.send(bucket, join=receiver.join_broadcast, receive=receiver.receive_bucket)
         finally:
             if self._sender is not None:
                 self._sender.release_device()
@@ -169,5 +203,5 @@ def transport_for(cfg: RolloutConfig, method: str, model_dir: Path, in_process: 
     for cls in TRANSPORTS:
         if cls.method == method and cls.in_process in (None, in_process):
             return cls(cfg, model_dir)
-    raise ValueError(f"rollout.sync_method={method}: no vLLM transport for an engine "
+    raise ValueError(f"rollout.sync_method={method}: no transport for an engine "
                      f"{'in' if in_process else 'out of'} the trainer's process")
