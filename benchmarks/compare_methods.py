@@ -8,8 +8,10 @@ ratio strays.
 Arms (``--arms``): a registered loss (megatron_alp/algorithms/policy_loss.py: ``loss.name=NAME``,
 with the loss's own perturbation and clip range), or for a perturbed (ALP) loss
 ``NAME:auto`` (``perturbation.init_std=auto``: sigma calibrated from the measured mismatch before
-the first update) or ``NAME:per_layer`` (``init_std=auto`` and
-``perturbation.calibration_mode=per_layer``: calibrated per layer). Default: the matrix of issue 26,
+the first update), ``NAME:per_layer`` (``init_std=auto`` and
+``perturbation.calibration_mode=per_layer``: calibrated per layer, by the drift at each layer's
+input) or ``NAME:per_layer_added`` (``calibration_mode=per_layer_added``: by the drift the engine
+adds before each layer). Default: the matrix of issue 26,
 grpo token_tis token_mis seq_mis icepop cispo seq_bypass alp_token alp_seq alp_token:auto
 alp_seq:auto.
 
@@ -96,13 +98,14 @@ ARM_MODES = {
     "": [],
     "auto": ["perturbation.init_std=auto"],
     "per_layer": ["perturbation.init_std=auto", "perturbation.calibration_mode=per_layer"],
+    "per_layer_added": ["perturbation.init_std=auto", "perturbation.calibration_mode=per_layer_added"],
 }
 DEFAULT_ARMS = ["grpo", "token_tis", "token_mis", "seq_mis", "icepop", "cispo", "seq_bypass",
                 "alp_token", "alp_seq", "alp_token:auto", "alp_seq:auto"]
 # keys every cell sets itself: an extra override of one would break the matrix
 CELL_KEYS = {"trainer.output_dir": "--out", "trainer.iterations": "--iterations", "trainer.seed": "--seeds",
              "loss.name": "--arms", "perturbation.init_std": "--arms NAME:auto",
-             "perturbation.calibration_mode": "--arms NAME:per_layer", "rollout.dtype": "--precisions",
+             "perturbation.calibration_mode": "--arms NAME:per_layer[_added]", "rollout.dtype": "--precisions",
              "rollout.quantization": "--precisions", "model.hf_path": "(the shared base model)"}
 
 # t(0.975, dof) for dof 1..30 (Student t, two-sided 95%); beyond, the Cornish-Fisher series of t_quantile
@@ -126,12 +129,13 @@ class Arm:
 
 
 def parse_arm(text: str) -> Arm:
-    """``NAME``, ``NAME:auto`` or ``NAME:per_layer`` -> :class:`Arm`; ValueError naming the arm otherwise."""
+    """``NAME`` or ``NAME:MODE`` (a key of ``ARM_MODES``) -> :class:`Arm`; ValueError naming the arm otherwise."""
     name, sep, mode = text.partition(":")
     if name not in POLICY_LOSSES:
         raise ValueError(f"arm {text!r}: unknown loss {name!r} (registered: {', '.join(POLICY_LOSSES)})")
-    if sep and mode not in ("auto", "per_layer"):
-        raise ValueError(f"arm {text!r}: unknown suffix {':' + mode!r} (NAME, NAME:auto or NAME:per_layer)")
+    if sep and (not mode or mode not in ARM_MODES):
+        raise ValueError(f"arm {text!r}: unknown suffix {':' + mode!r} (NAME, NAME:auto, NAME:per_layer or "
+                         "NAME:per_layer_added)")
     if mode and not POLICY_LOSSES[name].perturbed:
         perturbed = ", ".join(k for k, v in POLICY_LOSSES.items() if v.perturbed)
         raise ValueError(f"arm {text!r}: :{mode} calibrates ALP's sigma, and {name} does not perturb "
@@ -305,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, default=ROOT / "configs" / "quickstart_cpu.yaml")
     p.add_argument("--arms", nargs="+", type=arm_type, default=[parse_arm(a) for a in DEFAULT_ARMS], metavar="ARM",
-                   help=f"LOSS, LOSS:auto or LOSS:per_layer; losses: {', '.join(POLICY_LOSSES)}")
+                   help=f"LOSS, LOSS:auto, LOSS:per_layer or LOSS:per_layer_added; losses: {', '.join(POLICY_LOSSES)}")
     p.add_argument("--precisions", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS))
     p.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     p.add_argument("--iterations", type=int, default=None, help="RL iterations per run (default: the config's)")

@@ -109,7 +109,7 @@ def _perturbation(cfg: Config, gpu: bool) -> None:
                          "engine's logprobs are renormalised over the kept tokens, a constant log(kept mass) per token "
                          "that the calibration would count as mismatch; sample with top_p: 1.0 and top_k: -1, or set "
                          "perturbation.init_std to a number")
-    if pert.calibration_mode == "per_layer":
+    if pert.calibration_mode != "global":
         _per_layer_calibration(cfg, gpu)
     if pert.init_std == "auto" and not pert.enabled:
         raise ValueError(f"perturbation.init_std: auto calibrates the ALP noise, but loss.name={cfg.loss.name} "
@@ -117,26 +117,28 @@ def _perturbation(cfg: Config, gpu: bool) -> None:
 
 
 def _per_layer_calibration(cfg: Config, gpu: bool) -> None:
-    """What ``perturbation.calibration_mode: per_layer`` needs: the layer probe compares the engine's
-    decoder-layer inputs with one whole-model forward of the trainer's. The engine shows them through
-    forward hooks, which a compiled engine (vLLM on GPUs, ``gpu``) never runs: there it must be eager."""
+    """What ``perturbation.calibration_mode: per_layer`` or ``per_layer_added`` needs: the layer probe
+    compares the engine's decoder-layer inputs with one whole-model forward of the trainer's. The
+    engine shows them through forward hooks, which a compiled engine (vLLM on GPUs, ``gpu``) never
+    runs: there it must be eager."""
     pert, engine = cfg.perturbation, ENGINES[cfg.rollout.engine]
+    mode = f"perturbation.calibration_mode: {pert.calibration_mode}"
     if pert.init_std != "auto":
-        raise ValueError(f"perturbation.calibration_mode: per_layer sizes the calibrated sigma, which needs "
-                         f"perturbation.init_std: auto (got {pert.init_std})")
+        raise ValueError(f"{mode} sizes the calibrated sigma, which needs perturbation.init_std: auto "
+                         f"(got {pert.init_std})")
     if str(pert.layers).strip().lower() == "logits":
-        raise ValueError("perturbation.calibration_mode: per_layer with perturbation.layers: logits: the one site "
-                         "is the output layer's input, not a decoder layer's; use calibration_mode: global")
+        raise ValueError(f"{mode} with perturbation.layers: logits: the one site is the output layer's input, "
+                         "not a decoder layer's; use calibration_mode: global")
     if not engine.captures_layers:
-        raise ValueError(f"perturbation.calibration_mode: per_layer with rollout.engine={cfg.rollout.engine}: the "
-                         "engine cannot show its layers' hidden states; use rollout.engine: vllm or calibration_mode: global")
+        raise ValueError(f"{mode} with rollout.engine={cfg.rollout.engine}: the engine cannot show its layers' "
+                         "hidden states; use rollout.engine: vllm or calibration_mode: global")
     if gpu and not cfg.rollout.enforce_eager:
-        raise ValueError("perturbation.calibration_mode: per_layer on GPUs needs rollout.enforce_eager: true: the "
-                         "engine shows its layer inputs through forward hooks, which its compiled model and CUDA "
-                         "graphs never run, so the first layer probe would fail; set rollout.enforce_eager: true "
+        raise ValueError(f"{mode} on GPUs needs rollout.enforce_eager: true: the engine shows its layer inputs "
+                         "through forward hooks, which its compiled model and CUDA graphs never run, so the first "
+                         "layer probe would fail; set rollout.enforce_eager: true "
                          "(every rollout then runs eager) or use calibration_mode: global")
     if cfg.parallel.pipeline_model_parallel_size > 1:
-        raise ValueError("perturbation.calibration_mode: per_layer with parallel.pipeline_model_parallel_size="
+        raise ValueError(f"{mode} with parallel.pipeline_model_parallel_size="
                          f"{cfg.parallel.pipeline_model_parallel_size}: the layer probe runs whole-model forwards; "
                          "use calibration_mode: global or pipeline_model_parallel_size 1")
 

@@ -124,13 +124,36 @@ class _Simulated:
 
     def perturbed(self, model, batch, *, perturb_step, **passes):
         self.passes += 1
-        z = torch.randn(batch.old_logprobs.shape, generator=torch.Generator().manual_seed(-perturb_step))
+        z = _draw(batch.old_logprobs.shape, perturb_step)
         return batch.old_logprobs + self.bound * math.tanh(self.sigmas[-1][0] / self.rms[0]) * z
 
     def calibrate(self, target):
         cfg = PerturbationConfig(enabled=True, init_std="auto", calibration_target=target)
         return calibrate_sigma(None, self.batch, cfg, iteration=0, batching=None, temperature=1.0, pad_id=0,
                                fused=True)
+
+
+class _EverySite(_Simulated):
+    """As :class:`_Simulated`, with every site's noise moving the policy: the log-ratio to ``old`` is
+    ``bound * tanh(sqrt(sum_h (sigma_h / rms_h)^2)) * z_j``."""
+
+    def size(self, sigmas: list[float]) -> float:
+        return self.bound * math.tanh(math.sqrt(sum((s / r) ** 2 for s, r in zip(sigmas, self.rms))))
+
+    def perturbed(self, model, batch, *, perturb_step, **passes):
+        self.passes += 1
+        return batch.old_logprobs + self.size(self.sigmas[-1]) * _draw(batch.old_logprobs.shape, perturb_step)
+
+
+def _draw(shape, perturb_step):
+    """The simulated noise of one perturbed pass: standard normal, seeded by the pass's step."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(-perturb_step))
+
+
+def _k3(log_ratio: torch.Tensor) -> float:
+    """mean(r - 1 - log r) over the given log-ratios."""
+    d = log_ratio.double()
+    return float((d.exp() - 1 - d).mean())
 
 
 def _logprobs(seed, shape=(8, 50)):
@@ -157,22 +180,41 @@ def test_an_unreachable_target_stops_with_an_error_naming_the_key(monkeypatch):
     assert max(s[0] for s in sim.sigmas) <= MAX_SCALE * sim.rms[0] * (1 + 1e-12)
 
 
-@pytest.mark.parametrize("case", ["nan", "identical"])
+@pytest.mark.parametrize("case", ["all_nan", "identical"])
 def test_no_measurable_mismatch_falls_back_to_the_default_sigma_with_a_warning(monkeypatch, case):
-    """A NaN measured KL, or an engine bit-identical to the trainer (KL 0), gives no size to match:
-    every sigma is perturbation.init_std's default (> 0: log-sigma finite, its gradient alive), the
-    metrics say so and the terminal line is a warning."""
+    """No finite engine logprob at all, or an engine bit-identical to the trainer (KL 0), gives no
+    size to match: every sigma is perturbation.init_std's default (> 0: log-sigma finite, its
+    gradient alive), the metrics say so and the terminal line is a warning."""
     old = _logprobs(1)
-    rollout = old.clone()
-    if case == "nan":
-        rollout[0, 0] = float("nan")
+    rollout = torch.full_like(old, float("nan")) if case == "all_nan" else old.clone()
     sim = _Simulated(monkeypatch, rollout, old)
     m = sim.calibrate(1.0)
     default = PerturbationConfig.model_fields["init_std"].default
     assert sim.sigmas == [[default] * len(sim.rms)] and default > 0
     assert m["calibration/fallback"] == 1.0 and sim.passes == 0
-    line = calibration_line(m, {"sigma/mean": default, "sigma/layer0/mean": default}, 1.0, 0)
+    assert m["calibration/bad_tokens"] == (old.numel() if case == "all_nan" else 0)
+    line = calibration_line(m, {"sigma/mean": default, "sigma/layer0/mean": default}, PerturbationConfig(), 0)
     assert line.startswith("WARNING: sigma not calibrated") and "perturbation.init_std" in line
+    assert (f"{old.numel()} tokens with a non-finite logprob left out" in line) == (case == "all_nan")
+
+
+def test_tokens_with_a_non_finite_logprob_are_left_out_and_counted(monkeypatch):
+    """Issue 41 audit: one NaN or -inf engine logprob (or -inf old-policy logprob) among the batch's
+    tokens no longer voids the calibration: those tokens are left out of both KLs, counted in
+    calibration/bad_tokens and named on the terminal line; the measured KL is the k3 over the
+    finite tokens and the target is met."""
+    old = _logprobs(1)
+    rollout = old + 0.01 * _logprobs(2)
+    rollout[0, 0], rollout[3, 7], old[5, 2] = float("nan"), float("-inf"), float("-inf")
+    sim = _Simulated(monkeypatch, rollout, old)
+    m = sim.calibrate(1.0)
+    finite = torch.ones(old.shape, dtype=torch.bool)
+    finite[0, 0] = finite[3, 7] = finite[5, 2] = False
+    assert m["calibration/bad_tokens"] == 3 and m["calibration/fallback"] == 0.0
+    assert m["calibration/train_engine_kl"] == pytest.approx(_k3((old - rollout)[finite]), rel=1e-12)
+    assert m["calibration/perturbed_kl"] == pytest.approx(m["calibration/target_kl"], rel=TOLERANCE)
+    line = calibration_line(m, {"sigma/layer_00/mean": 1e-3, "sigma/layer_01/mean": 2e-3}, PerturbationConfig(), 0)
+    assert line.startswith("sigma calibrated") and line.endswith("; 3 tokens with a non-finite logprob left out")
 
 
 def test_the_layer_rms_excludes_padding_and_filler_micro_batches():
@@ -240,7 +282,7 @@ def test_the_probe_takes_the_first_sequences_up_to_its_token_budget():
 def test_per_layer_sigmas_follow_each_layers_divergence_and_meet_the_target(monkeypatch):
     """sigma_h = scale x divergence_h: the ratio of two layers' sigmas is that of their divergences
     (not of their input RMS), the perturbed KL meets the target, and a layer the engine reproduces
-    exactly (divergence 0) keeps the default sigma, never 0."""
+    exactly (divergence 0) gets scale x DRIFT_FLOOR x the largest divergence, never 0."""
     old = _logprobs(1)
     sim = _Simulated(monkeypatch, old + 0.01 * _logprobs(2), old)
     cfg = PerturbationConfig(enabled=True, init_std="auto", calibration_mode="per_layer")
@@ -251,7 +293,7 @@ def test_per_layer_sigmas_follow_each_layers_divergence_and_meet_the_target(monk
     assert m["calibration/per_layer"] == 1.0 and m["calibration/fallback"] == 0.0
     assert m["calibration/perturbed_kl"] == pytest.approx(m["calibration/target_kl"], rel=TOLERANCE)
     assert sigmas[0] / sigmas[1] == pytest.approx(4.0) and sigmas[0] == pytest.approx(m["calibration/scale"] * 4e-3)
-    assert sigmas[2] == PerturbationConfig.model_fields["init_std"].default
+    assert sigmas[2] == pytest.approx(m["calibration/scale"] * calibration.DRIFT_FLOOR * 4e-3, rel=1e-12)
     # noise never above the activations it is added to: scale x divergence <= input RMS in every layer
     assert all(s[0] <= sim.rms[0] * (1 + 1e-12) and s[1] <= sim.rms[1] * (1 + 1e-12) for s in sim.sigmas)
 
@@ -265,3 +307,67 @@ def test_no_layer_divergence_with_a_measured_mismatch_stops_naming_the_mode(monk
         calibrate_sigma(None, sim.batch, cfg, iteration=0, batching=None, temperature=1.0, pad_id=0, fused=True,
                         divergence=[0.0, 0.0])
     assert sim.passes == 0
+
+
+def test_a_layer_the_engine_reproduces_exactly_gets_little_noise_and_the_target_stays_reachable(monkeypatch):
+    """Issue 41 audit (fail): with bf16 on both sides layer 0's drift is exactly 0. It used to keep a
+    fixed sigma of 1e-4 that the scale search could not shrink; here that noise alone gives about 4x
+    the target KL (the precondition below, k3 ~ a^2 / 2 for a log-ratio a z), so the run stopped as
+    "out of reach". Its sigma now scales with the others (DRIFT_FLOOR x the largest drift), the
+    chosen sigmas meet the target by this test's own k3 over the search's noise draws, and nearly no
+    noise sits on the layer the engine reproduces."""
+    old = _logprobs(1)
+    rollout = old + 2e-4 * torch.randn(old.shape, generator=torch.Generator().manual_seed(5))
+    sim = _EverySite(monkeypatch, rollout, old)
+    sim.rms = [0.5, 2.0, 2.0]
+    divergence = [0.0, 1e-3, 4e-3]
+    measured = _k3(old - rollout)
+    assert (sim.bound * 1e-4 / sim.rms[0]) ** 2 / 2 > 3 * measured
+    cfg = PerturbationConfig(enabled=True, init_std="auto", calibration_mode="per_layer")
+    m = calibrate_sigma(None, sim.batch, cfg, iteration=0, batching=None, temperature=1.0, pad_id=0, fused=True,
+                        divergence=divergence)
+    sigmas = sim.sigmas[-1]
+    sizes = [calibration.DRIFT_FLOOR * max(divergence), 1e-3, 4e-3]
+    assert sigmas == pytest.approx([m["calibration/scale"] * d for d in sizes], rel=1e-12)
+    draws = [sim.size(sigmas) * _draw(old.shape, -(j + 1)) for j in range(NOISE_DRAWS)]
+    assert sum(_k3(d) for d in draws) / NOISE_DRAWS == pytest.approx(measured, rel=TOLERANCE)
+    assert m["calibration/train_engine_kl"] == pytest.approx(measured, rel=1e-12)
+    assert m["calibration/evaluations"] <= 4
+
+
+def test_the_drift_floor_scales_with_the_largest_drift():
+    """A zero or below-floor drift becomes DRIFT_FLOOR x the largest, larger ones are kept, and
+    scaling every drift by c scales the result by c: the floor moves with the others."""
+    drifts = [0.0, 1e-9, 1e-3, 4e-3]
+    floor = calibration.DRIFT_FLOOR * 4e-3
+    assert calibration.DRIFT_FLOOR < 1e-2 and 1e-9 < floor
+    assert calibration.floored(drifts) == [floor, floor, 1e-3, 4e-3]
+    expected = [floor, floor, 1e-3, 4e-3]
+    assert calibration.floored([7.0 * d for d in drifts]) == pytest.approx([7.0 * x for x in expected])
+
+
+def test_the_terminal_line_names_what_sigma_is_a_multiple_of():
+    m = {"calibration/scale": 1.1, "calibration/perturbed_kl": 1e-6, "calibration/target_kl": 1e-6,
+         "calibration/train_engine_kl": 1e-6, "calibration/evaluations": 2.0, "calibration/fallback": 0.0,
+         "calibration/bad_tokens": 0.0}
+    sigmas = {"sigma/layer_00/mean": 1e-6, "sigma/layer_01/mean": 2e-3}
+    for mode, words in [("global", "1.1 x layer-input RMS = 1e-06..0.002"),
+                        ("per_layer", "1.1 x layer-input divergence engine-train"),
+                        ("per_layer_added", "1.1 x drift added before each layer engine-train")]:
+        cfg = PerturbationConfig(enabled=True, init_std="auto", calibration_mode=mode)
+        assert words in calibration_line(m, sigmas, cfg, 0), mode
+
+
+@CALIBRATION
+@pytest.mark.parametrize("layout", ["dp2", "tp2_sp"])
+def test_the_added_drift_is_the_drift_the_engine_adds_before_each_layer(calibrated, layout):
+    """The check script's "engine" adds a drift delta at layer 2's input and nowhere else. The
+    per_layer_added probe (the perturbed layers run on the engine's inputs) finds delta's robust RMS
+    at layer 2 and nothing elsewhere; the cumulative probe (per_layer) also finds delta carried on
+    to layer 3 by the network. Under TP=2 with sequence parallelism each rank feeds its own shard."""
+    r = calibrated[f"added/{layout}"]
+    delta = r["delta_rms"]
+    assert r["added"][2] == pytest.approx(delta, rel=1e-4)
+    assert max(r["added"][0], r["added"][1], r["added"][3]) < 1e-4 * delta  # TP: sums in another order
+    assert r["cumulative"][:3] == pytest.approx(r["added"][:3], abs=1e-6 * delta)
+    assert r["cumulative"][3] > 0.1 * delta

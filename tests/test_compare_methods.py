@@ -97,6 +97,8 @@ def test_parse_arm():
     assert auto.dirname == "alp_seq-auto"
     per_layer = cm.parse_arm("alp_token:per_layer")
     assert set(per_layer.overrides) == {"perturbation.init_std=auto", "perturbation.calibration_mode=per_layer"}
+    added = cm.parse_arm("alp_seq:per_layer_added")
+    assert set(added.overrides) == {"perturbation.init_std=auto", "perturbation.calibration_mode=per_layer_added"}
     for name in cm.DEFAULT_ARMS:  # the default matrix parses
         assert cm.parse_arm(name).label == name
 

@@ -34,6 +34,8 @@ def _minimal(**sections):
         (_minimal(perturbation={"init_std": "auto", "calibration_mode": "per_layer"},
                   parallel={"pipeline_model_parallel_size": 2}),
          "perturbation.calibration_mode: per_layer with parallel.pipeline_model_parallel_size=2"),
+        (_minimal(perturbation={"init_std": "auto", "calibration_mode": "per_layer_added"}, rollout={"engine": "sglang"}),
+         "perturbation.calibration_mode: per_layer_added with rollout.engine=sglang: the engine cannot show"),
         (_minimal(perturbation={"calibration_mode": "layerwise"}), "perturbation.calibration_mode: Input should be"),
         (_minimal(model={"tiny": "qwen2", "dtype": "bfloat16"}, parallel={"use_distributed_optimizer": False}),
          "parallel.use_distributed_optimizer: false with model.dtype=bfloat16 and ALP"),

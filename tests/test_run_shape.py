@@ -31,6 +31,8 @@ def test_the_layer_probe_comes_with_a_per_layer_calibration_only():
                       trainer={"iterations": 6})
     assert [i for i in range(6) if per_layer.probes_layers(i)] == [0, 2, 4]
     assert "layer_probe" not in per_layer.skipped
+    added = shape(perturbation={"init_std": "auto", "calibration_mode": "per_layer_added"})
+    assert added.probes_layers(0) and not added.probes_layers(1)
     plain = shape(perturbation={"init_std": "auto", "calibrate_every": 2})
     assert not any(plain.probes_layers(i) for i in range(6))
     assert plain.skipped["layer_probe"] == "perturbation.calibration_mode: per_layer not set"

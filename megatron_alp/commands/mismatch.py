@@ -46,7 +46,7 @@ from megatron_alp.resolve import load_config
 from megatron_alp.rollout import DistributedRollout
 from megatron_alp.rollout.base import get_engine
 from megatron_alp.runtime.console import held_warnings, say
-from megatron_alp.training.calibration import calibrate_sigma, input_divergence, probe_sequences, site_layers
+from megatron_alp.training.calibration import SIZES, calibrate_sigma, input_divergence, probe_sequences, site_layers
 from megatron_alp.training.layer_states import megatron_layer_states
 from megatron_alp.training.micro_batch import Batching
 from megatron_alp.training.perturbation import sigma_stats
@@ -84,13 +84,12 @@ def measure(cfg: Config, model_dir: str, *, prompts: int, n: Optional[int], max_
         # every token that was fed through the models (the last one is only a target)
         sequences = [(t.prompt_ids + t.response_ids)[:-1] for t in trajectories[:layers]]
         engine_states = engine_layer_states(engine, sequences, KINDS) if layers else None
-        # perturbation.calibration_mode: per_layer sizes sigma by each layer's input divergence
+        # perturbation.calibration_mode: per_layer(_added) sizes sigma by each layer's drift
         probe = probe_sequences([t.prompt_ids + t.response_ids for t in trajectories]) if per_layer else []
         probe_states = engine_layer_states(engine, probe, ("input",)) if probe else None
         session.close_engine()
         layer_report = layer_divergence(engine_states, megatron_layer_states(model, sequences, KINDS)) if layers else None
-        divergence = (input_divergence(probe_states, megatron_layer_states(model, probe, ("input",)), site_layers(model))
-                      if probe else None)
+        divergence = probe_divergence(model, probe, probe_states, cfg.perturbation.calibration_mode) if probe else None
         del engine_states, probe_states  # [layers, tokens, hidden] per kind and sequence: not kept for the scoring
         batch = build_rl_batch(trajectories, torch.zeros(len(trajectories)), session.pad_id)
         logprob_pass = dict(batching=Batching.for_logprobs(cfg.trainer), temperature=s.temperature,
@@ -125,6 +124,15 @@ def measure(cfg: Config, model_dir: str, *, prompts: int, n: Optional[int], max_
         "layers": layer_report,
     }
     return report, train, rollout
+
+
+def probe_divergence(model, probe: list[list[int]], engine: list[dict], mode: str) -> list[float]:
+    """Per perturbed site, the drift the calibration's per-layer ``mode`` sizes its sigma by: of the
+    layer's input (``per_layer``), or added since the site before (``per_layer_added``: the sites run
+    on the engine's inputs)."""
+    sites = site_layers(model)
+    fed = [e["input"] for e in engine] if mode == "per_layer_added" else None
+    return input_divergence(engine, megatron_layer_states(model, probe, ("input",), fed=fed, at=tuple(sites)), sites)
 
 
 def engine_layer_states(rollout: DistributedRollout, sequences: list[list[int]], kinds: tuple[str, ...]) -> list[dict]:
@@ -238,7 +246,7 @@ def run(args) -> int:
     cal = report["calibration"]
     if cal:
         sigmas = ", ".join(f"{k} {v:.3g}" for k, v in cal["sigma"].items())
-        size = "layer-input divergence engine-train" if cal.get("calibration/per_layer") else "layer-input RMS"
+        size = SIZES[cfg.perturbation.calibration_mode]
         say(f"perturbation.init_std: auto would set sigma = {cal['calibration/scale']:.3g} x {size} ({sigmas}): "
             f"KL(train || perturbed) {cal['calibration/perturbed_kl']:.3g} for a target of "
             f"{cal['calibration/target_kl']:.3g} (perturbation.calibration_target x the k3 KL above)")

@@ -12,8 +12,8 @@ Megatron's state and of the engine's memory), and any of them can run out:
 - **weight sync** and **engine restart + resync**: Megatron's weights, the gathered bucket (and a
   leader's copy of it for the engine), the engine's weights awake without its KV cache;
 - **sync verification**: Megatron's weights and a probe's forward pass beside the awake engine;
-- **layer probe** (``perturbation.calibration_mode: per_layer``): Megatron's weights and a plain
-  forward of one probe sequence (full logits) beside the awake engine;
+- **layer probe** (``perturbation.calibration_mode: per_layer`` or ``per_layer_added``): Megatron's
+  weights and a plain forward of one probe sequence (full logits) beside the awake engine;
 - **checkpoint save**: the policy's weights and optimizer state (the reference stays offloaded), the
   engine asleep, and what the save allocates on the GPU: nothing with the distributed optimizer's
   state gathered over gloo on the host (``save_transient`` of megatron_alp/training/dist_checkpoint.py,

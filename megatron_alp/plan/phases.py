@@ -34,9 +34,9 @@ def verifies_sync(cfg: Config) -> Optional[str]:
 
 def probes_layers(cfg: Config) -> Optional[str]:
     """The one rule for the layer probe: calibrated sigma sized per layer (resolve requires
-    ``init_std: auto`` with ``calibration_mode: per_layer``)."""
+    ``init_std: auto`` with ``calibration_mode: per_layer`` or ``per_layer_added``)."""
     pert = cfg.perturbation
-    return None if pert.init_std == "auto" and pert.calibration_mode == "per_layer" else (
+    return None if pert.init_std == "auto" and pert.calibration_mode != "global" else (
         "perturbation.calibration_mode: per_layer not set")
 
 

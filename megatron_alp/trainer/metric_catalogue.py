@@ -48,24 +48,30 @@ METRICS: tuple[Metric, ...] = (
            "the iteration's optimizer steps."),
     Metric('batch/zero_variance_groups', 'count', 'trainer.metrics', 'every iteration',
            'Trained groups whose n rewards are all equal (zero GRPO advantage, no learning signal).'),
+    Metric('calibration/bad_tokens', 'count', 'training.calibration',
+           'calibration iterations (perturbation.init_std: auto)',
+           'Loss tokens, over all data-parallel ranks, whose engine or old-policy logprob is not finite (NaN, -inf), '
+           'left out of both KLs of the calibration; it falls back (calibration/fallback) only when no finite token '
+           'is left.'),
     Metric('calibration/evaluations', 'count', 'training.calibration',
            'calibration iterations (perturbation.init_std: auto)',
            'Number of candidate noise scales tried by the sigma-calibration search (each the mean of NOISE_DRAWS=4'
            ' perturbed forward passes); 0 on fallback.'),
     Metric('calibration/fallback', '', 'training.calibration', 'calibration iterations (perturbation.init_std: auto)',
-           "1.0 when the measured engine-train KL was 0 or non-finite and every sigma was set to init_std's "
-           'default (1e-4) instead of calibrated, else 0.0.'),
+           "1.0 when the measured engine-train KL was 0 or non-finite (or no token with finite logprobs was left) "
+           "and every sigma was set to init_std's default (1e-4) instead of calibrated, else 0.0."),
     Metric('calibration/per_layer', '', 'training.calibration',
            'calibration iterations (perturbation.init_std: auto)',
-           '1.0 when sigma was sized per layer by the measured engine-vs-trainer layer-input divergence '
-           '(perturbation.calibration_mode: per_layer), 0.0 for the global layer-input-RMS mode.'),
+           '1.0 when sigma was sized per layer by a measured engine-vs-trainer drift (perturbation.calibration_mode: '
+           'per_layer, the divergence of each layer input, or per_layer_added, the drift added before each layer), '
+           '0.0 for the global layer-input-RMS mode.'),
     Metric('calibration/perturbed_kl', 'nats', 'training.calibration',
            'calibration iterations (perturbation.init_std: auto)',
            'k3 estimate of KL(pi_train || pi_train,sigma) at the chosen scale, mean over 4 noise draws, over the '
            "batch's loss tokens (0.0 on fallback)."),
     Metric('calibration/scale', '', 'training.calibration', 'calibration iterations (perturbation.init_std: auto)',
-           "Chosen global noise scale s, with sigma_h = s * (layer h's input RMS, or its engine-train input "
-           'divergence in per_layer mode); 0.0 on fallback.'),
+           "Chosen global noise scale s, with sigma_h = s * (layer h's input RMS, or its engine-train drift in the "
+           'per_layer modes; at least 1e-3 x the largest layer\'s); 0.0 on fallback.'),
     Metric('calibration/target_kl', 'nats', 'training.calibration',
            'calibration iterations (perturbation.init_std: auto)',
            'Target perturbed KL = perturbation.calibration_target x calibration/train_engine_kl (0.0 on fallback).'),
@@ -330,7 +336,7 @@ METRICS: tuple[Metric, ...] = (
            'calibration iterations (perturbation.init_std: auto)',
            'Wall time of the sigma calibration (layer-input RMS pass and perturbed search passes).'),
     Metric('timing/layer_probe_s', 'seconds', 'trainer.phases',
-           'calibration iterations, perturbation.calibration_mode: per_layer',
+           'calibration iterations, perturbation.calibration_mode: per_layer or per_layer_added',
            "Wall time of the per-layer probe comparing the engine's and Megatron's layer inputs."),
     Metric('timing/old_logprob_s', 'seconds', 'trainer.phases', 'every iteration',
            'Wall time of the unperturbed old-policy logprob pass (~0 when it does not run).'),

@@ -3,7 +3,10 @@ iteration's batch after the old-policy pass (:meth:`Learner.calibrate
 <megatron_alp.training.learner.Learner.calibrate>`), and with ``calibration_mode: per_layer`` a
 layer probe first sizes each layer's noise: the trainer asks the engine for its layer inputs of the
 probe sequences (engine awake: the ``layer_probe`` phase), the learner computes its own, and a pure
-function compares them on the rank that holds the engine's, which every rank then receives."""
+function compares them on the rank that holds the engine's, which every rank then receives. With
+``per_layer_added`` every rank first receives the engine's inputs (``[layers, tokens, hidden]``
+float32 per probe sequence), since each runs its share of the forward that starts the perturbed
+layers from them."""
 
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ from megatron_alp.training.rl_batch import RLBatch
 
 class SigmaCalibrator:
     def __init__(self, cfg: Config, shape: RunShape, learner: Learner, rollout, rank: int):
-        self.target = cfg.perturbation.calibration_target
+        self.cfg = cfg.perturbation
+        self.added = cfg.perturbation.calibration_mode == "per_layer_added"
         self.shape, self.learner, self.rollout, self.rank = shape, learner, rollout, rank
 
     def due(self, iteration: int) -> bool:
@@ -30,7 +34,9 @@ class SigmaCalibrator:
         """Collective: per perturbed site, the divergence of its input between engine and trainer."""
         sequences = batch_probe(batch)
         engine = self.rollout.layer_states(sequences, kinds=("input",))
-        train = self.learner.layer_inputs(sequences, batch)
+        if self.added:
+            engine = self.rollout.broadcast(engine, src=self.rollout.prober)
+        train = self.learner.layer_inputs(sequences, batch, engine if self.added else None)
         local = input_divergence(engine, train, self.learner.site_layers) if engine is not None else None
         return self.rollout.broadcast(local, src=self.rollout.prober)
 
@@ -39,5 +45,5 @@ class SigmaCalibrator:
         metrics = self.learner.calibrate(batch, iteration, divergence)
         sigmas = self.learner.sigma_stats()
         if self.rank == 0:
-            say(calibration_line(metrics, sigmas, self.target, iteration))
+            say(calibration_line(metrics, sigmas, self.cfg, iteration))
         return metrics

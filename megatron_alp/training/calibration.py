@@ -14,11 +14,17 @@ show up as KL divergences on the first batch of rollouts, so sigma is chosen to 
    RMS: real checkpoints (Qwen) carry a few "massive activation" dimensions thousands of times
    larger than the rest, which would set the overall RMS alone and the noise far above the size
    of every other dimension.
-   With ``perturbation.calibration_mode: per_layer`` the scale of a layer is instead the measured
-   divergence of its input between the engine and the trainer (:func:`input_divergence`: the
-   same robust RMS, of ``h_engine - h_train`` over the tokens of the batch's first sequences, up to
-   ``LAYER_PROBE_TOKENS``): the size of the paper's zeta_h itself, so layers where the engine drifts
-   more get more noise, where the global mode gives every layer the same noise-to-activation ratio;
+   With ``perturbation.calibration_mode: per_layer`` or ``per_layer_added`` the size of a layer is
+   instead a measured drift of the engine from the trainer (:func:`input_divergence`: the same
+   robust RMS, of ``h_engine - h_train`` over the tokens of the batch's first sequences, up to
+   ``LAYER_PROBE_TOKENS``), so layers where the engine drifts more get more noise, where the global
+   mode gives every layer the same noise-to-activation ratio. ``per_layer_added`` is the paper's
+   zeta_h: the drift the engine adds before layer h, with the trainer's input of layer h computed
+   from the engine's input of the previous perturbed layer (the noise of that layer, carried forward
+   by the network, already covers what came before); ``per_layer`` is the cumulative drift at the
+   layer's input, larger with depth. Every drift is at least ``DRIFT_FLOOR`` x the largest
+   (:func:`floored`): a layer the engine reproduces exactly (drift 0: the embedding, bf16 on both
+   sides) gets little noise, scaled with the others, which the search shrinks with the rest;
 3. a global scale s, searched (secant steps on log KL against log s, where KL grows like s^2 for
    small s; s at most what puts the noise at ``MAX_SCALE`` x the input RMS in some layer) until the k3 estimate of KL(pi_train || pi_train,sigma) over
    the same tokens, with ``sigma_h = s * scale_h``, is ``calibration_target`` times the mismatch,
@@ -33,14 +39,17 @@ the terminal line), never 0, whose log-sigma would be -inf with a zero gradient 
 ALP silently into Bypass.
 
 Both KLs are estimated on the same tokens (samples of the engine) with the same estimator,
-mean(r - 1 - log r), so they compare like with like. The search's noise comes from noise-stream
-steps no update uses (``-(iteration * NOISE_DRAWS + j + 1)``), the same draws for every candidate
-s, so KL(s) is a smooth function of s and the search converges. One draw's KL varies with the
-draw (by ~15% on 200 tokens, less on more), so a candidate's KL is the mean over ``NOISE_DRAWS``
-draws: the chosen sigma meets the target for the noise the updates will draw, not for one draw.
-Cost: KL grows as s^2, so the secant lands within 2% in two or three candidates of
-``NOISE_DRAWS`` forward passes each. Every pass is forward-only; the unperturbed passes stay
-unperturbed (noise only exists inside :func:`~megatron_alp.training.perturbation.perturbed_step`).
+mean(r - 1 - log r), so they compare like with like. A token whose engine or old-policy logprob is
+not finite (NaN, -inf) is left out of both and counted (``calibration/bad_tokens``): one bad engine
+logprob does not void the others; only a batch with no finite token left falls back. The search's
+noise comes from noise-stream steps no update uses (``-(iteration * NOISE_DRAWS + j + 1)``), the
+same draws for every candidate s, so KL(s) is a smooth function of s and the search converges. One
+draw's KL varies with the draw (by ~15% on 200 tokens, less on more), so a candidate's KL is the
+mean over ``NOISE_DRAWS`` draws: the chosen sigma meets the target for the noise the updates will
+draw, not for one draw. Cost: KL grows as s^2, so the secant lands within 2% in two or three
+candidates of ``NOISE_DRAWS`` forward passes each. Every pass is forward-only; the unperturbed
+passes stay unperturbed (noise only exists inside
+:func:`~megatron_alp.training.perturbation.perturbed_step`).
 
 Every rank computes the same statistics (sums reduced over data-parallel ranks, over the
 tensor-parallel group for sequence-parallel shards, and the KL broadcast from the last pipeline
@@ -72,7 +81,10 @@ FIRST_SCALE = 1e-2  # noise at 1% of each layer's input RMS
 MAX_SCALE = 1.0  # noise as large as the activations it is added to: beyond, the policy is noise
 NOISE_DRAWS = 4  # the perturbed KL of a candidate scale is the mean over this many noise draws
 FALLBACK_STD = PerturbationConfig.model_fields["init_std"].default  # sigma when there is nothing to match
-LAYER_PROBE_TOKENS = 512  # per_layer mode: the tokens whose layer inputs the engine and Megatron both show
+LAYER_PROBE_TOKENS = 512  # per_layer modes: the tokens whose layer inputs the engine and Megatron both show
+DRIFT_FLOOR = 1e-3  # per_layer modes: each layer's size is at least this x the largest layer's
+SIZES = {"global": "layer-input RMS", "per_layer": "layer-input divergence engine-train",
+         "per_layer_added": "drift added before each layer engine-train"}  # sigma_h = s x this, per mode
 
 
 def _hosts(model) -> list:
@@ -95,15 +107,26 @@ def _all_reduce(values: torch.Tensor, tensor_shards: bool) -> torch.Tensor:
 def k3_kl(logprobs: Optional[torch.Tensor], reference: Optional[torch.Tensor], mask: torch.Tensor) -> float:
     """mean(r - 1 - log r) with log r = reference - logprobs over the masked tokens of all
     data-parallel ranks: the k3 estimate of KL(pi_logprobs || pi_reference) on samples of the
-    first; computed on the last pipeline stage, returned on every rank."""
+    first; NaN without a masked token; computed on the last pipeline stage, returned on every rank."""
     value = None
     if ps.is_pipeline_last_stage():
         keep = mask > 0
         d = (reference[keep].double() - logprobs[keep].double())
         sums = _all_reduce(torch.stack([(d.exp() - 1 - d).sum(), torch.tensor(float(keep.sum()), dtype=torch.float64)]),
                            tensor_shards=False)
-        value = float(sums[0] / sums[1].clamp(min=1))
+        value = float(sums[0] / sums[1]) if sums[1] > 0 else math.nan
     return from_last_stage(value)
+
+
+def finite_tokens(batch: RLBatch) -> tuple[torch.Tensor, float]:
+    """The loss mask less the tokens whose engine or old-policy logprob is not finite, so that one bad
+    engine logprob leaves that token out instead of voiding the measured KL, and how many tokens
+    that leaves out on all data-parallel ranks (returned on every rank)."""
+    if not ps.is_pipeline_last_stage():
+        return batch.loss_mask, from_last_stage(None)
+    finite = batch.rollout_logprobs.isfinite() & batch.old_logprobs.isfinite()
+    bad = _all_reduce(((batch.loss_mask > 0) & ~finite).sum().double().reshape(1), tensor_shards=False)
+    return batch.loss_mask * finite, from_last_stage(float(bad[0]))
 
 
 def real_positions(mb: MicroBatch, sequence_parallel: bool) -> torch.Tensor:
@@ -238,10 +261,42 @@ def _next_scale(history: list[tuple[float, float]], target: float) -> float:
     return s * min(max(factor, 1e-3), 1e3)
 
 
-def _sigmas(scale: float, sizes: list[float]) -> list[float]:
-    """``scale * size_h`` per site; a site whose size is 0 (an input all zeros, or one the engine
-    reproduces exactly) gets the fallback, never sigma 0."""
-    return [scale * r if scale * r > 0 else FALLBACK_STD for r in sizes]
+def floored(sizes: list[float]) -> list[float]:
+    """Each site's size, at least ``DRIFT_FLOOR`` x the largest: a site that does not drift (or far
+    less than the others) gets little noise that scales with everyone's, so the search can shrink
+    it with the rest, and never sigma 0 (log-sigma -inf, its gradient dead: ALP silently Bypass)."""
+    floor = DRIFT_FLOOR * max(sizes)
+    return [max(d, floor) for d in sizes]
+
+
+def _sizes(rms: list[float], divergence: Optional[list[float]], mode: str, measured: float) -> list[float]:
+    """Per site, what sigma is ``scale x``: the input RMS (global mode, this pipeline stage's sites; an
+    input all zeros, which no trained model has, at the floor), or the :func:`floored` drift of every
+    site (per_layer modes, one stage). None is 0, so that no sigma is."""
+    if divergence is None:
+        return [r if r > 0 else DRIFT_FLOOR * max(rms) for r in rms]
+    if not any(d > 0 for d in divergence):
+        raise InputError(f"perturbation.calibration_mode: {mode}: the engine-train KL is {measured:.3g} "
+                         "but no perturbed layer's input differs between the engine and the trainer on the probe, "
+                         "so there is no layer size to scale; use perturbation.calibration_mode: global")
+    return floored(divergence)
+
+
+def _search(model, batch: RLBatch, mask: torch.Tensor, sizes: list[float], target: float, *, scale: float,
+            most: float, iteration: int, passes: dict) -> list[tuple[float, float]]:
+    """The candidate scales tried and their perturbed KL (the mean over ``NOISE_DRAWS`` draws), until
+    one is within ``TOLERANCE`` of ``target`` or ``most`` falls short of it."""
+    history: list[tuple[float, float]] = []
+    for _ in range(MAX_EVALUATIONS):
+        set_sigmas(model, [scale * d for d in sizes])
+        draws = [compute_logprobs(model, batch, perturb_step=-(iteration * NOISE_DRAWS + j + 1), **passes)
+                 for j in range(NOISE_DRAWS)]
+        history.append((scale, sum(k3_kl(batch.old_logprobs, d, mask) for d in draws) / NOISE_DRAWS))
+        kl = history[-1][1]
+        if abs(kl / target - 1) <= TOLERANCE or (scale >= most and math.isfinite(kl) and kl < target):
+            break
+        scale = min(_next_scale(history, target), most)
+    return history
 
 
 def calibrate_sigma(model, batch: RLBatch, cfg: PerturbationConfig, *, iteration: int, batching: Batching,
@@ -249,59 +304,51 @@ def calibrate_sigma(model, batch: RLBatch, cfg: PerturbationConfig, *, iteration
                     divergence: Optional[list[float]] = None) -> dict[str, float]:
     """Set every site's sigma from ``batch`` (with ``old_logprobs``): see the module docstring.
     ``replay``: the routing field the update pass replays on an MoE model. ``divergence``: per site,
-    :func:`input_divergence` of the layer probe (``calibration_mode: per_layer``); None: the layer-input RMS.
+    :func:`input_divergence` of the layer probe (the per_layer modes); None: the layer-input RMS.
     Returns the ``calibration/*`` metrics; the sigmas of the chosen scale are set on return. Raises
     :class:`~megatron_alp.config.InputError` when ``calibration_target`` is out of reach."""
     passes = dict(batching=batching, temperature=temperature, pad_id=pad_id, fused=fused,
                   routing=PassRouting(replay=replay) if replay else None)
-    measured = k3_kl(batch.rollout_logprobs, batch.old_logprobs, batch.loss_mask)
+    mask, bad = finite_tokens(batch)
+    measured = k3_kl(batch.rollout_logprobs, batch.old_logprobs, mask)
     rms = layer_input_rms(model, batch, passes)
-    sizes = rms if divergence is None else divergence
     if not (math.isfinite(measured) and measured > 0):  # nothing to match: never sigma 0 (log-sigma -inf)
-        set_sigmas(model, [FALLBACK_STD] * len(sizes))
+        set_sigmas(model, [FALLBACK_STD] * len(rms))
         return {"calibration/train_engine_kl": measured, "calibration/target_kl": 0.0,
                 "calibration/perturbed_kl": 0.0, "calibration/scale": 0.0, "calibration/evaluations": 0.0,
-                "calibration/fallback": 1.0}
-    if not any(d > 0 for d in sizes):
-        raise InputError(f"perturbation.calibration_mode: {cfg.calibration_mode}: the engine-train KL is {measured:.3g} "
-                         "but no perturbed layer's input differs between the engine and the trainer on the probe, "
-                         "so there is no layer size to scale; use perturbation.calibration_mode: global")
+                "calibration/fallback": 1.0, "calibration/bad_tokens": bad}
+    sizes = _sizes(rms, divergence, cfg.calibration_mode, measured)
     target = cfg.calibration_target * measured
     # noise at most as large as the activations it is added to, in every layer
-    most = min(MAX_SCALE * r / d for r, d in zip(rms, sizes) if d > 0)
-    history: list[tuple[float, float]] = []
-    scale = min(FIRST_SCALE if divergence is None else 1.0, most)  # per_layer: first, noise the size of zeta_h
-    for _ in range(MAX_EVALUATIONS):
-        set_sigmas(model, _sigmas(scale, sizes))
-        draws = [compute_logprobs(model, batch, perturb_step=-(iteration * NOISE_DRAWS + j + 1), **passes)
-                 for j in range(NOISE_DRAWS)]
-        history.append((scale, sum(k3_kl(batch.old_logprobs, d, batch.loss_mask) for d in draws) / NOISE_DRAWS))
-        kl = history[-1][1]
-        if abs(kl / target - 1) <= TOLERANCE or (scale >= most and math.isfinite(kl) and kl < target):
-            break
-        scale = min(_next_scale(history, target), most)
+    most = min(MAX_SCALE * r / d for r, d in zip(rms, sizes) if r > 0)
+    first = FIRST_SCALE if divergence is None else 1.0  # per layer: first, noise the size of zeta_h
+    history = _search(model, batch, mask, sizes, target, scale=min(first, most), most=most, iteration=iteration,
+                      passes=passes)
     scale, kl = min(history, key=lambda h: abs(math.log(h[1] / target)) if 0 < h[1] < math.inf else math.inf)
     if not (0 < kl < math.inf and abs(kl / target - 1) <= ACCEPTED):
         raise InputError(
             f"perturbation.calibration_target: {cfg.calibration_target:g} x the engine-train KL {measured:.3g} is out "
             f"of reach: the closest of {len(history)} noise scales (noise at most {MAX_SCALE:g} x each layer's input RMS) gives "
             f"KL {kl:.3g} for {target:.3g}; lower perturbation.calibration_target or set perturbation.init_std to a number")
-    set_sigmas(model, _sigmas(scale, sizes))
+    set_sigmas(model, [scale * d for d in sizes])
     return {"calibration/train_engine_kl": measured, "calibration/target_kl": target,
             "calibration/perturbed_kl": kl, "calibration/scale": scale, "calibration/evaluations": float(len(history)),
-            "calibration/fallback": 0.0, "calibration/per_layer": float(divergence is not None)}
+            "calibration/fallback": 0.0, "calibration/per_layer": float(divergence is not None),
+            "calibration/bad_tokens": bad}
 
 
-def calibration_line(cal: dict, sigmas: dict, target: float, iteration: int) -> str:
+def calibration_line(cal: dict, sigmas: dict, cfg: PerturbationConfig, iteration: int) -> str:
     """What a calibration chose, for the run's terminal: ``cal`` is :func:`calibrate_sigma`'s result
     and ``sigmas`` the model's :func:`~megatron_alp.training.perturbation.gather_sigma_stats`."""
     layers = [v for k, v in sigmas.items() if k.endswith("/mean") and k != "sigma/mean"]
+    bad = int(cal["calibration/bad_tokens"])
+    left = f"; {bad} tokens with a non-finite logprob left out" if bad else ""
     if cal.get("calibration/fallback"):
         return (f"WARNING: sigma not calibrated at iteration {iteration}: the engine-train KL is "
-                f"{cal['calibration/train_engine_kl']:.3g}, no mismatch to match; every sigma set to "
+                f"{cal['calibration/train_engine_kl']:.3g}, no mismatch to match{left}; every sigma set to "
                 f"perturbation.init_std's default {FALLBACK_STD:g}")
-    size = "layer-input divergence engine-train" if cal.get("calibration/per_layer") else "layer-input RMS"
+    size = SIZES[cfg.calibration_mode]
     return (f"sigma calibrated at iteration {iteration}: {cal['calibration/scale']:.3g} x {size} = "
             f"{min(layers):.3g}..{max(layers):.3g}; KL(train || perturbed) {cal['calibration/perturbed_kl']:.3g} "
-            f"for a target of {cal['calibration/target_kl']:.3g} ({target:g} x the engine-train KL "
-            f"{cal['calibration/train_engine_kl']:.3g}), {int(cal['calibration/evaluations'])} perturbed passes")
+            f"for a target of {cal['calibration/target_kl']:.3g} ({cfg.calibration_target:g} x the engine-train KL "
+            f"{cal['calibration/train_engine_kl']:.3g}), {int(cal['calibration/evaluations'])} perturbed passes{left}")

@@ -5,7 +5,10 @@ Per decoder layer and kind: ``input``, the residual stream entering the layer (w
 The per-layer mismatch report compares them with the rollout engine's
 (:mod:`megatron_alp.diagnostics.layer_divergence`), and ``perturbation.calibration_mode:
 per_layer`` sizes each layer's sigma from the divergence of its ``input``
-(:mod:`megatron_alp.training.calibration`).
+(:mod:`megatron_alp.training.calibration`). ``per_layer_added`` feeds the engine's input of chosen
+layers in place of Megatron's own, so that the recorded input of the next one is what Megatron's
+layers make of the engine's states: its difference from the engine's is the drift the engine added
+in between.
 
 Every rank of the job runs the same forwards: tensor-parallel layers all-reduce and expert layers
 exchange tokens with their expert-parallel group, so every rank takes part. Under sequence
@@ -51,25 +54,37 @@ def _layers(model) -> list:
 
 
 @contextmanager
-def captured(model, kinds: tuple[str, ...] = KINDS) -> Iterator[dict[str, list[list[torch.Tensor]]]]:
+def captured(model, kinds: tuple[str, ...] = KINDS, given: Optional[dict[int, torch.Tensor]] = None
+             ) -> Iterator[dict[str, list[list[torch.Tensor]]]]:
     """Record, per kind and decoder layer, the ``[s, b, h]`` tensors of the forward passes inside
-    (this rank's sequence shard under sequence parallelism), as float32 copies on the CPU."""
+    (this rank's sequence shard under sequence parallelism), as float32 copies on the CPU. ``given``:
+    per layer, the ``[s, b, h]`` input (the whole sequence) it runs on instead of its own; its own
+    is what ``input`` records."""
     layers = _layers(model)
+    given = given or {}
     records = {kind: [[] for _ in layers] for kind in kinds}
     hooks = []
 
     def keep(kind, i, value):
-        records[kind][i].append(value.detach().to("cpu", torch.float32, copy=True))
+        if kind in kinds:
+            records[kind][i].append(value.detach().to("cpu", torch.float32, copy=True))
 
     def recorder(kind, i):
         return lambda module, args, output: keep(kind, i, _first(output))
 
     def input_recorder(i):
-        return lambda module, args, kwargs: keep("input", i, kwargs["hidden_states"] if "hidden_states" in kwargs
-                                                 else args[0])
+        def record(module, args, kwargs):
+            named = "hidden_states" in kwargs
+            own = kwargs["hidden_states"] if named else args[0]
+            keep("input", i, own)
+            if i not in given:
+                return None
+            fed = _own_shard(given[i], layers[i].config.sequence_parallel).to(own.device, own.dtype)
+            return (args, {**kwargs, "hidden_states": fed}) if named else ((fed, *args[1:]), kwargs)
+        return record
 
     for i, layer in enumerate(layers):
-        if "input" in kinds:
+        if "input" in kinds or i in given:
             hooks.append(layer.register_forward_pre_hook(input_recorder(i), with_kwargs=True))
         for kind, module in (("residual", layer), ("attention", layer.self_attention), ("mlp", layer.mlp)):
             if kind in kinds:
@@ -79,6 +94,17 @@ def captured(model, kinds: tuple[str, ...] = KINDS) -> Iterator[dict[str, list[l
     finally:
         for hook in hooks:
             hook.remove()
+
+
+def _own_shard(whole: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+    """This rank's part of ``whole`` (``[s, b, h]``) as a layer sees it: under sequence parallelism
+    the r-th of TP equal slices along the sequence, else all of it."""
+    tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+    if not sequence_parallel or tp == 1:
+        return whole
+    size = whole.shape[0] // tp
+    rank = ps.get_tensor_model_parallel_rank()
+    return whole[rank * size:(rank + 1) * size].contiguous()
 
 
 def _whole_sequence(shard: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
@@ -115,12 +141,15 @@ def _replaying(chunk, routing: Optional[torch.Tensor], length: int):
 
 @torch.no_grad()
 def megatron_layer_states(model, sequences: list[list[int]], kinds: tuple[str, ...] = KINDS,
-                          routing: Optional[list[Optional[torch.Tensor]]] = None) -> list[dict[str, torch.Tensor]]:
+                          routing: Optional[list[Optional[torch.Tensor]]] = None,
+                          fed: Optional[list[torch.Tensor]] = None, at: tuple[int, ...] = ()
+                          ) -> list[dict[str, torch.Tensor]]:
     """Per sequence and kind ``[layers, tokens, hidden]`` float32 (CPU), from a plain causal
     forward of the sequence alone (eval mode, no perturbation: noise is added only inside
     :func:`~megatron_alp.training.perturbation.perturbed_step`). ``routing``: per sequence, the
-    experts to replay (``[tokens, layers, k]``) or None. Every rank calls it with the same
-    ``sequences`` and gets the same states."""
+    experts to replay (``[tokens, layers, k]``) or None. ``fed``: per sequence, ``[layers, tokens,
+    hidden]`` inputs that layers ``at`` run on instead of their own (the recorded ``input`` stays
+    their own). Every rank calls it with the same ``sequences`` and gets the same states."""
     layers = _layers(model)
     config = layers[0].config
     tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
@@ -135,7 +164,8 @@ def megatron_layer_states(model, sequences: list[list[int]], kinds: tuple[str, .
             padded = list(sequence) + [0] * (-len(sequence) % tp if config.sequence_parallel else 0)
             tokens = torch.tensor([padded], device=device)
             given = routing[i] if routing is not None else None
-            with captured(model, kinds) as records, _replaying(chunks[0], given, len(padded)):
+            inputs = {layer: _padded(fed[i][layer], len(padded)) for layer in at} if fed is not None else None
+            with captured(model, kinds, inputs) as records, _replaying(chunks[0], given, len(padded)):
                 chunks[0](tokens, torch.arange(len(padded), device=device).unsqueeze(0), None)
             # [s, 1, h] per layer -> [layers, s, h]
             states.append({kind: torch.stack([_whole_sequence(calls[0], config.sequence_parallel)[:len(sequence), 0]
@@ -144,3 +174,9 @@ def megatron_layer_states(model, sequences: list[list[int]], kinds: tuple[str, .
         for c, mode in zip(chunks, was_training):
             c.train(mode)
     return states
+
+
+def _padded(states: torch.Tensor, length: int) -> torch.Tensor:
+    """``[tokens, hidden]`` -> ``[length, 1, hidden]``, zeros after the sequence's own tokens (where
+    only padding for the sequence-parallel split sits, which no earlier token attends to)."""
+    return torch.nn.functional.pad(states, (0, 0, 0, length - states.shape[0]))[:, None]

@@ -106,10 +106,14 @@ class Learner:
         return calibrate_sigma(self.policy, batch, self.cfg.perturbation, iteration=iteration,
                                replay=self.routing.update.replay, divergence=divergence, **self._passes())
 
-    def layer_inputs(self, sequences: list[list[int]], batch: RLBatch) -> list[dict]:
+    def layer_inputs(self, sequences: list[list[int]], batch: RLBatch,
+                     engine: Optional[list[dict]] = None) -> list[dict]:
         """This model's input of every decoder layer for ``sequences`` (rows of ``batch``, cut short), with
-        the update pass's routing replay: what the layer probe compares with the engine's."""
-        return megatron_layer_states(self.policy, sequences, kinds=("input",),
+        the update pass's routing replay: what the layer probe compares with the engine's. ``engine``:
+        the engine's inputs (``calibration_mode: per_layer_added``), which the perturbed layers run on
+        instead of their own, so each site's input is what this model makes of the engine's at the site before."""
+        fed = [e["input"] for e in engine] if engine is not None else None
+        return megatron_layer_states(self.policy, sequences, kinds=("input",), fed=fed, at=tuple(self.site_layers),
                                      routing=probe_routing(batch, sequences, self.routing.update.replay))
 
     @property

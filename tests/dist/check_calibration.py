@@ -11,6 +11,12 @@ logprobs of every rank (gathered), what the test asserts:
 - whether the unperturbed logprobs after calibration equal those before, bit for bit;
 - each rank's sigmas, and the calibration's own metrics.
 
+And the layer probe of ``calibration_mode: per_layer_added`` (DP=2, TP=2 with sequence
+parallelism): the "engine" is the model with a drift delta of the script's own added to layer 2's
+input (a hook, in the one-rank layout), so it adds drift before layer 2 only; the probe's drift per
+layer (added, and cumulative as ``per_layer`` measures it) and delta's robust RMS by the script's
+arithmetic.
+
 Usage: torchrun --nproc_per_node 2 check_calibration.py RESULT.json
 """
 
@@ -22,8 +28,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from common import build, full_state, load_full_state, reinit
-from megatron_alp.training.calibration import calibrate_sigma
+from megatron_alp.training.calibration import calibrate_sigma, input_divergence
 from megatron_alp.config import PerturbationConfig
+from megatron_alp.training.layer_states import megatron_layer_states
 from megatron_alp.training.micro_batch import Batching
 from megatron_alp.training.perturbation import sigma_stats
 from megatron_alp.training.policy_update import compute_logprobs
@@ -33,6 +40,7 @@ LAYOUTS = {"dp2": dict(tp=1, pp=1), "pp2": dict(tp=1, pp=2), "tp2_sp": dict(tp=2
 ROWS, PROMPT, RESPONSE, VOCAB = 32, 4, 20, 512
 BATCHING = Batching(size=4)
 PROBE_STEPS = tuple(range(101, 109))
+PROBE_LENGTHS, DRIFT_LAYER, DRIFT = (7, 10), 2, 1e-2  # odd length: padded for the sequence-parallel split
 
 
 def random_batch() -> RLBatch:
@@ -92,10 +100,49 @@ def calibrate(layout: str, init: dict, target: float) -> dict:
     }
 
 
+def drifting_engine(init: dict) -> tuple[list[list[int]], list[dict], float]:
+    """The probe sequences, the "engine's" layer inputs of them (the model plus delta at layer
+    DRIFT_LAYER's input, one rank's layout) and delta's robust RMS: sqrt(median over dimensions of
+    the mean over all tokens of delta^2)."""
+    g = torch.Generator().manual_seed(5)
+    sequences = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in PROBE_LENGTHS]
+    model = build("qwen2", reinit(), PerturbationConfig(enabled=True, init_std=1e-4))
+    load_full_state(model, init)
+    hidden = model.config.hidden_size
+    deltas = [DRIFT * torch.randn(n, hidden, generator=g) for n in PROBE_LENGTHS]
+    current = {}
+
+    def add(module, args, kwargs):
+        return args, {**kwargs, "hidden_states": kwargs["hidden_states"] + current["delta"][:, None]}
+
+    hook = model.decoder.layers[DRIFT_LAYER].register_forward_pre_hook(add, with_kwargs=True)
+    engine = []
+    for sequence, delta in zip(sequences, deltas):
+        current["delta"] = delta
+        engine += megatron_layer_states(model, [sequence], ("input",))
+    hook.remove()
+    squares = torch.cat(deltas).double().square().mean(dim=0)
+    return sequences, engine, float(squares.median().sqrt())
+
+
+def added_drift(layout: str, init: dict, sequences: list[list[int]], engine: list[dict]) -> dict:
+    spec = LAYOUTS[layout]
+    model = build("qwen2", reinit(tp=spec["tp"], pp=1, sp=spec.get("sp", False)),
+                  PerturbationConfig(enabled=True, init_std=1e-4))
+    load_full_state(model, init)
+    layers = [0, 1, 2, 3]
+    fed = megatron_layer_states(model, sequences, ("input",), fed=[e["input"] for e in engine], at=tuple(layers))
+    own = megatron_layer_states(model, sequences, ("input",))
+    return {"added": input_divergence(engine, fed, layers), "cumulative": input_divergence(engine, own, layers)}
+
+
 def main() -> None:
     init = full_state(build("qwen2", reinit()))
     results = {f"{layout}/1": calibrate(layout, init, 1.0) for layout in LAYOUTS}
     results["dp2/4"] = calibrate("dp2", init, 4.0)
+    sequences, engine, delta_rms = drifting_engine(init)
+    for layout in ("dp2", "tp2_sp"):
+        results[f"added/{layout}"] = {**added_drift(layout, init, sequences, engine), "delta_rms": delta_rms}
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(results, f)

@@ -97,13 +97,17 @@ class PerturbationConfig(_Section):
         "measured engine-training KL. The paper's bound (section 3) wants sigma large enough to cover the "
         "engine's disturbance and small enough to keep the policy: 1 makes the two divergences equal.",
     )
-    calibration_mode: Literal["global", "per_layer"] = Field(
+    calibration_mode: Literal["global", "per_layer", "per_layer_added"] = Field(
         "global",
         description="With `init_std: auto`, the size of each layer's noise before the global scale is searched. "
         "`global`: the RMS of the layer's input hidden states (the same noise-to-activation ratio in every "
-        "layer). `per_layer`: the measured divergence of the layer's input between the rollout engine and "
-        "the trainer, on the first sequences of the calibrating batch (the size of the paper's zeta_h, which sigma_h "
-        "must cover): layers where the engine drifts more get more noise. Needs an engine that shows its "
+        "layer). `per_layer_added`: the drift the rollout engine adds before the layer, measured on the first "
+        "sequences of the calibrating batch as the engine's input of the layer minus what the trainer's layers make "
+        "of the engine's input of the perturbed layer before (the paper's zeta_h, which sigma_h must cover; the "
+        "noise of earlier layers, carried forward by the network, covers the drift they let in). `per_layer`: "
+        "the cumulative divergence of the layer's input between the engine and the trainer (the earlier layers' "
+        "drift included, so it grows with depth). In both, layers where the engine drifts more get more noise, and "
+        "one that does not drift gets 1e-3 x the largest layer's (never 0). Needs an engine that shows its "
         "layers' hidden states (vLLM; on GPUs `rollout.enforce_eager: true`), "
         "`parallel.pipeline_model_parallel_size` 1 and transformer-layer sites (not `layers: logits`).",
     )
