@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from lora_sizes import train  # noqa: E402  (benchmarks/ is not a package)
+from train_run import train  # noqa: E402  (benchmarks/ is not a package)
 
 MIB = 2**20
 COMMON = ["trainer.eval_interval=0", "trainer.validate_base=false",

@@ -45,18 +45,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from megatron_alp.config import ConfigError, read_config  # noqa: E402
 from megatron_alp.trainer.run_dir import checkpoint_dir  # noqa: E402
+from train_run import train  # noqa: E402  (benchmarks/ is not a package)
 
 CI = ["trainer.iterations=1", "trainer.save_interval=1", "trainer.sft_warmup_steps=30", "trainer.eval_interval=0",
       "trainer.validate_base=false", "trainer.progress_bar=false", "trainer.prompts_per_iteration=16",
@@ -122,19 +121,6 @@ def table(runs: dict[str, dict], ratios: dict[str, dict]) -> str:
         line += "".join(f"{ratios[n][key]:>18.2f}x" for n in ratios)
         lines.append(line)
     return "\n".join(lines)
-
-
-def train(config: Path, run_dir: Path, overrides: list[str]) -> float:
-    """``megatron-alp train`` into ``run_dir`` (output in its train.log); seconds taken. Exits naming
-    the log when the run fails."""
-    cmd = [sys.executable, "-m", "megatron_alp.cli", "train", str(config), f"trainer.output_dir={run_dir}", *overrides]
-    started = time.time()
-    with open(run_dir / "train.log", "w") as log:
-        rc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=log,
-                            stderr=subprocess.STDOUT).returncode
-    if rc != 0:
-        raise SystemExit(f"the {run_dir.name} run failed (exit {rc}): see {run_dir / 'train.log'}")
-    return time.time() - started
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
