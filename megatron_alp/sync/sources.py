@@ -104,15 +104,14 @@ class DeltaWeights(WeightSource):
         self.bucket_bytes, self.anchor_every = bucket_bytes, anchor_every
         self.export = DeltaExport(dtype=dtype)
         self._since_anchor: Optional[int] = None  # syncs since the last anchor; None: the next is one
-        self._anchor = True
         self._problem: Optional[str] = None
         self._restarts = 0  # the engine's restarts at the last feed
 
     def tensors(self, model, leaders: list[int]) -> Pairs:
-        self._anchor = self._since_anchor is None or self._since_anchor + 1 >= self.anchor_every
-        self._since_anchor = 0 if self._anchor else self._since_anchor + 1
+        anchor = self._since_anchor is None or self._since_anchor + 1 >= self.anchor_every
+        self._since_anchor = 0 if anchor else self._since_anchor + 1
         self._problem = None
-        return self._checked(self.export.stream(model, self.bucket_bytes, receivers=leaders, anchor=self._anchor))
+        return self._checked(self.export.stream(model, self.bucket_bytes, receivers=leaders, anchor=anchor))
 
     def _checked(self, stream: Pairs) -> Pairs:
         try:

@@ -469,20 +469,8 @@ def save_checkpoint(
             torch.save(extra or {}, tmp / EXTRA_FILE)
             if hf_dir is not None:
                 copy_hf_side_files(hf_dir, tmp / HF_SUBDIR)
-            meta = {
-                "format": FORMAT,
-                "saved_at": time.time(),
-                "layout": current_layout(optimizer),
-                "dtype": str(model.config.params_dtype).removeprefix("torch."),
-                "hf_config": hf_config,
-                "perturbation": _perturbation(model),
-                "lora": lora_metadata(model),
-                "lora_base": None if lora_base is None else dataclasses.asdict(lora_base),
-                "has_optimizer": optimizer is not None,
-                "has_scheduler": opt_param_scheduler is not None,
-                "extra": {k: v for k, v in (extra or {}).items() if isinstance(v, (int, float, str, bool))},
-            }
-            write_json_atomic(tmp / META_FILE, meta)
+            write_json_atomic(tmp / META_FILE, _metadata(model, optimizer, opt_param_scheduler, extra, hf_config,
+                                                         lora_base))
         _barrier()
         write_manifest(tmp)
         _barrier()
@@ -499,6 +487,25 @@ def save_checkpoint(
         if _disk_full(err):
             raise DiskFullError(final, written) from err
         raise
+
+
+def _metadata(model, optimizer, opt_param_scheduler, extra: dict | None, hf_config: dict | None,
+              lora_base: LoRABase | None) -> dict:
+    """What ``META_FILE`` says of a checkpoint: read without loading a tensor (layout, dtype, HF config,
+    ALP sites, LoRA and its base, what state it holds, the plain values of ``extra``)."""
+    return {
+        "format": FORMAT,
+        "saved_at": time.time(),
+        "layout": current_layout(optimizer),
+        "dtype": str(model.config.params_dtype).removeprefix("torch."),
+        "hf_config": hf_config,
+        "perturbation": _perturbation(model),
+        "lora": lora_metadata(model),
+        "lora_base": None if lora_base is None else dataclasses.asdict(lora_base),
+        "has_optimizer": optimizer is not None,
+        "has_scheduler": opt_param_scheduler is not None,
+        "extra": {k: v for k, v in (extra or {}).items() if isinstance(v, (int, float, str, bool))},
+    }
 
 
 class DiskFullError(OSError):
