@@ -4,7 +4,11 @@ Arms (each trains from the same warm-started base model, seed and data order):
 
 - ``sync``: colocated, ``trainer.max_staleness: 0``: generate, then train, then sync, in turn;
 - ``async``: ``rollout.placement: separate``, ``trainer.max_staleness: 1``: the engine generates
-  batch b+1 while the trainer updates on batch b (weights by ``sync_method: broadcast``).
+  batch b+1 while the trainer updates on batch b (weights by ``sync_method: broadcast``), under the
+  default ``trainer.async_schedule: deterministic`` (batch b+1 by the weights of iteration b: the sync
+  after iteration b waits for it);
+- ``free``: the same under ``trainer.async_schedule: free`` (batch b+1 by whichever weights the
+  engine holds when it starts), to price the deterministic schedule.
 
 In every arm the engine's threads are pinned to one core (``rollout.cpu_cores``) and the trainer
 to another (``os.sched_setaffinity`` on the trainer process), so the comparison measures the
@@ -13,7 +17,8 @@ entry: the single-turn quickstart, whose ~9-token answers make generation about 
 iteration (the overlap can hide no more than that), and its multi-turn TIR variant, where the
 episodes (engine turns and sandboxed code) take about as long as the update. Printed: median
 seconds per iteration (``timing/total_s``, first iteration excluded: engine warm-up), the
-generation share of the synchronous iteration and the async / sync ratio (target: <= 0.7).
+generation share of the synchronous iteration, the async / sync ratio (target: <= 0.7) and the
+deterministic / free ratio.
 
 Then, on the first config under staleness 1, each of ``--losses`` (default Token-ALP vs
 Token-TIS): the importance-ratio envelope (P98 / P2 of the ratio the loss clips) and the
@@ -89,20 +94,24 @@ def main() -> int:
         sync = train(config, root / f"{name}_sync", None, first, [], args)
         base = root / f"{name}_sync" / "base_model"
         runs[name] = {first: train(config, root / f"{name}_async_{first}", base, first, ASYNC, args)}
+        free = train(config, root / f"{name}_async_free_{first}", base, first, [*ASYNC, "trainer.async_schedule=free"],
+                     args)
         if config == args.configs[0]:
             for loss in args.losses[1:]:
                 runs[name][loss] = train(config, root / f"{name}_async_{loss}", base, loss, ASYNC, args)
-        timing.append((name, sync, runs[name][first]))
+        timing.append((name, sync, runs[name][first], free))
 
     print(f"\n{args.iterations} iterations per arm ({first}); trainer on core {args.trainer_core}, engine on core "
           f"{args.engine_core}; medians over iterations 2..; runs in {root}")
-    print(f"{'config':<22}{'sync s/it':>10}{'generation':>12}{'async s/it':>12}{'staleness':>11}{'async/sync':>12}")
-    for name, sync, fast in timing:
-        s, a = median(sync, "timing/total_s"), median(fast, "timing/total_s")
+    print(f"{'config':<22}{'sync s/it':>10}{'generation':>12}{'async s/it':>12}{'staleness':>11}{'async/sync':>12}"
+          f"{'free s/it':>11}{'det/free':>10}")
+    for name, sync, fast, free in timing:
+        s, a, f = median(sync, "timing/total_s"), median(fast, "timing/total_s"), median(free, "timing/total_s")
         share = median(sync, "timing/rollout_s") / s
         print(f"{name:<22}{s:>10.2f}{share:>11.0%}{a:>12.2f}{max(r['staleness/max'] for r in fast):>11.0f}"
-              f"{a / s:>11.2f}x")
-    print("(target: async <= 0.7x sync; the overlap hides at most the generation share of an iteration)")
+              f"{a / s:>11.2f}x{f:>11.2f}{a / f:>9.2f}x")
+    print("(target: async <= 0.7x sync; the overlap hides at most the generation share of an iteration. "
+          "det/free: what the deterministic schedule costs)")
 
     name = args.configs[0].stem
     print(f"\n{name} under staleness 1 (over the iterations):")

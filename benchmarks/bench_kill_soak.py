@@ -47,7 +47,7 @@ OVERRIDES = [
     "trainer.prompts_per_iteration=16", "trainer.updates_per_iteration=2", "trainer.eval_interval=0",
     "trainer.save_interval=1", "trainer.sft_warmup_steps=30", "trainer.resume=true",
     "trainer.hang_deadline_s=3600",  # only for the heartbeats: which phase each kill hit
-    "trainer.max_staleness=1", "rollout.partial_rollout=true",
+    "trainer.max_staleness=1", "trainer.async_schedule=free", "rollout.partial_rollout=true",
     # two replicas on 2 cores: one core each, the trainer ranks beside them
     "rollout.placement=separate", "rollout.replicas=2", "rollout.cpu_cores=[0,1]",
 ]

@@ -4,10 +4,10 @@ The sources are the real ones, over the real PromptSampler, Scorer, share_work a
 configs from the real loader. Only the engine is the test's: :class:`ScriptedEngine` answers each
 prompt by a rule of this file (so rewards are known in advance) and writes into every response which
 of its calls generated it. Most tests give the sources a :class:`ScriptedRollout`, the surface of
-DistributedRollout they use (version, generate, submit, collect, broadcast) over that engine, which
-also lets a test say which weight version generated each group of a submitted batch. One test runs
-AheadByK on the real DistributedRollout and its background RolloutProducer, the engine registered
-for it as any engine is.
+DistributedRollout they use (version, rank, generate, submit, collect, fetch_routing, broadcast)
+over that engine, which also lets a test say which weight version generated each group of a
+submitted batch. Two tests run AheadByK on the real DistributedRollout and its background
+RolloutProducer, the engine registered for it as any engine is.
 
 Every expected value (prompts, seeds, versions, stale groups, sampler states) is derived here: from a
 reference PromptSampler of the same seed, from derive_seed, and from the answer rule.
@@ -125,11 +125,15 @@ class ScriptedRollout:
     test listed other versions for that iteration's batch in ``generated_by`` (per-sample seed ->
     one version per group; used for the first submission with that seed only)."""
 
+    rank = 0
+
     def __init__(self, engine: ScriptedEngine, version: int = 0, seconds: float = 0.25):
         self.engine, self.version, self.seconds = engine, version, seconds
         self.generated: list[tuple[list[int], object]] = []  # generate calls: (prompt indices, params)
         self.submitted: list[tuple[list[int], object]] = []  # submit calls: (prompt indices, params)
+        self.wanted: list = []  # the weight version each submit call named (None: any)
         self.collected: list[Batch] = []
+        self.fetched: list = []  # the items of each fetch_routing call
         self.generated_by: dict[int, list[int]] = {}
 
     def broadcast(self, obj):
@@ -139,10 +143,12 @@ class ScriptedRollout:
         self.generated.append(([ids[0] - FIRST_ID for ids in prompts], params))
         return self.engine.generate(prompts, params)
 
-    def submit(self, prompts, params, work=None):
+    def submit(self, prompts, params, work=None, version=None):
         self.submitted.append(([ids[0] - FIRST_ID for ids in prompts], params))
+        self.wanted.append(version)
         batch = Batch(prompts, params, work or generate_work(params), [list(range(len(prompts)))])
-        versions = self.generated_by.pop(params.seed, [self.version] * len(prompts))
+        made_by = self.version if version is None else version  # a producer waits for the version named
+        versions = self.generated_by.pop(params.seed, [made_by] * len(prompts))
         assert len(versions) == len(prompts)
         batch.future = Future()
         batch.future.set_result((list(versions), batch.work(self.engine, prompts, list(range(len(prompts))))))
@@ -154,6 +160,9 @@ class ScriptedRollout:
         batch.seconds = self.seconds
         self.collected.append(batch)
         return batch
+
+    def fetch_routing(self, items):
+        self.fetched.append(list(items))
 
 
 class ExactAnswer(RewardFn):
@@ -369,9 +378,9 @@ def test_ahead_by_k_resume_state_is_before_the_oldest_batch_not_yet_trained_on()
 
 
 def test_ahead_by_k_on_the_distributed_rollout_and_its_background_producer():
-    """AheadByK on the real DistributedRollout (background=True: one RolloutProducer thread), the
-    test's engine registered as any engine is; weight versions move by the rollout's own sync
-    (an adapter sync: a stream the engine takes, no model needed)."""
+    """AheadByK (``trainer.async_schedule: free``) on the real DistributedRollout (background=True:
+    one RolloutProducer thread), the test's engine registered as any engine is; weight versions move
+    by the rollout's own sync (an adapter sync: a stream the engine takes, no model needed)."""
     name = "scripted-test-engine"
     register_engine(name)(type("RegisteredScriptedEngine", (ScriptedEngine,), {}))
     rollout = None
@@ -379,7 +388,7 @@ def test_ahead_by_k_on_the_distributed_rollout_and_its_background_producer():
         from megatron_alp.rollout.distributed import DistributedRollout
 
         k = 1
-        cfg = config(f"rollout.engine={name}", staleness=k, iterations=4)
+        cfg = config(f"rollout.engine={name}", "trainer.async_schedule=free", staleness=k, iterations=4)
         rollout = DistributedRollout(cfg.rollout, "unused-model-dir", seed=0, version=0, background=True)
         assert rollout.producer is not None
         engine = rollout.engine
@@ -422,6 +431,86 @@ def test_ahead_by_k_on_the_distributed_rollout_and_its_background_producer():
             rollout.shutdown()
         ENGINES.pop(name, None)
     assert engine.closed
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_checkpoint_holds_the_batches_generated_ahead_and_a_resume_trains_on_them(k, tmp_path):
+    """state_dict after iteration r carries batches r+1 .. r+k as generated (groups, versions, their
+    sampler states), through torch.save; a source loaded from it trains on exactly those groups
+    without generating them again, then draws and generates on as the uninterrupted source does."""
+    import torch
+
+    cfg = config(staleness=k)
+    rollout = ScriptedRollout(ScriptedEngine())
+    source = ahead(cfg, rollout, sampler(cfg))
+    batches, states = draws(cfg, ITERATIONS)
+    r = 1
+    for i in range(r + 1):
+        rollout.version = i
+        source.next_batch(i, {})
+    rollout.version = r + 1  # the sync after iteration r
+    state = source.state_dict()
+    held = list(range(r + 1, r + k + 1))
+    assert state["sampler"] == states[r + 1]  # where a source that cannot take them draws again
+    assert state["ahead_groups"] == k * PROMPTS
+    assert state["ahead_versions"] == sorted({max(0, j - k) for j in held})
+    assert [b["iteration"] for b in state["ahead"]["batches"]] == held
+    assert state["ahead"]["sampler"] == states[r + k + 1]
+    saved = [t for b in state["ahead"]["batches"] for g in b["results"] for t in g]
+    assert rollout.fetched[-1] == saved  # rank 0 brings the routing of what it writes
+    assert not any(t is u for t in saved for b in rollout.collected for g in b.results for u in g)  # copies
+    torch.save(state, tmp_path / "extra.pt")
+    state = torch.load(tmp_path / "extra.pt", weights_only=False)
+
+    resumed_rollout = ScriptedRollout(ScriptedEngine(), version=r + 1)
+    resumed = ahead(cfg, resumed_rollout, sampler(cfg))
+    resumed.load_state_dict(state)
+    for i in range(r + 1, ITERATIONS):
+        rollout.version = resumed_rollout.version = i
+        stats = {}
+        a, b = source.next_batch(i, {}), resumed.next_batch(i, stats)
+        assert indices(a.prompts) == indices(b.prompts) == batches[i]
+        assert [t.policy_version for t in a.trajectories] == [t.policy_version for t in b.trajectories]
+        check_groups(b, batches[i], [max(0, i - k)] * PROMPTS)
+        if i in held:  # the very groups the first run generated, not generated again
+            assert [t.response_ids for t in a.trajectories] == [t.response_ids for t in b.trajectories]
+            assert stats["timing/rollout_s"] == rollout.seconds and stats["rollout/response_tokens"] == tokens(batches[i])
+        assert resumed.resume_state() == source.resume_state()
+    # the resumed run generated only the batches after those held ahead, each by the version it names
+    assert [prompts for prompts, _ in resumed_rollout.submitted] == batches[r + k + 1:]
+    assert resumed_rollout.wanted == [j - k for j in range(r + k + 1, ITERATIONS)]
+
+
+@pytest.mark.parametrize("engine_delay,train_delay", [(0.15, 0.0), (0.0, 0.15)])
+def test_the_deterministic_schedule_generates_batch_i_by_version_i_minus_k_whatever_the_timing(engine_delay,
+                                                                                               train_delay):
+    """``trainer.async_schedule: deterministic`` on the real DistributedRollout and its producer: with
+    the engine slower than the trainer, and the other way round, batch i is generated by the weights
+    of iteration max(0, i - k): a sync waits for the generation that still needs the old weights, and
+    the engine waits for the weights a batch names."""
+    name = "scripted-timing-engine"
+    register_engine(name)(type("TimedScriptedEngine", (ScriptedEngine,), {"__init__": (
+        lambda self, *a, **kw: ScriptedEngine.__init__(self, delay=engine_delay))}))
+    rollout = None
+    try:
+        from megatron_alp.rollout.distributed import DistributedRollout
+
+        k, iterations = 2, 5
+        cfg = config(f"rollout.engine={name}", staleness=k, iterations=iterations)
+        rollout = DistributedRollout(cfg.rollout, "unused-model-dir", seed=0, version=0, background=True)
+        source = ahead(cfg, rollout, sampler(cfg))
+        weights = WeightSync(rollout, AdapterWeights(lambda model, leaders: {}, {}))
+        batches, _ = draws(cfg, iterations)
+        for i in range(iterations):
+            check_groups(source.next_batch(i, {}), batches[i], [max(0, i - k)] * PROMPTS)
+            time.sleep(train_delay)  # the update
+            weights.sync(None, version=i + 1)
+        engine = rollout.engine
+        assert [prompts for prompts, _, _ in engine.calls] == batches
+    finally:
+        if rollout is not None:
+            rollout.shutdown()
+        ENGINES.pop(name, None)
 
 
 # ------------------------------------------------------------------------------ dynamic sampling

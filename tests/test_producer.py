@@ -16,7 +16,7 @@ import torch
 from megatron_alp.config import RolloutConfig, SamplingConfig
 from megatron_alp.models.tiny import make_tiny_model
 from megatron_alp.rollout import SamplingParams, build_engine
-from megatron_alp.rollout.base import EngineRestarted
+from megatron_alp.rollout.base import EngineRestarted, RolloutError
 from megatron_alp.rollout.producer import RolloutProducer
 
 
@@ -94,6 +94,44 @@ def test_errors_reach_the_waiter_and_a_restarted_engine_generates_nothing_until_
     with pytest.raises(CancelledError):
         queued.result(5)
     producer.join(5)
+
+
+def test_a_job_named_for_a_version_runs_under_it_whatever_the_timing():
+    """The deterministic schedule: a job naming weight version v waits for v even when the engine is
+    idle, and an update away from v waits until every job naming v has run, however early it is asked
+    for and however slow the jobs are."""
+    for slow in (0.0, 0.3):  # the trainer ahead of the engine, then the engine ahead of the trainer
+        log = _Log()
+        producer = RolloutProducer(engine="engine", version=0)
+
+        def job(name):
+            def work(engine):
+                log.add("start", name)
+                time.sleep(slow)
+                log.add("end", name)
+                return name
+            return work
+
+        a = producer.submit(job("a"), version=0)
+        b = producer.submit(job("b"), version=1)
+        c = producer.submit(job("c"))  # no version named: after b, whichever version then
+        time.sleep(0.1)
+        assert not b.running() and ("start", "b") not in log.events  # the engine waits for version 1
+        with producer.updating(1):  # waits for "a", which v0 owes
+            log.add("update", 1)
+        d = producer.submit(job("d"), version=1)
+        with producer.updating(2):  # waits for "b" and "d"; "c" names no version, so it may go either side
+            log.add("update", 2)
+        assert [f.result(5) for f in (a, b, d)] == [(0, "a"), (1, "b"), (1, "d")]
+        assert c.result(5)[1] == "c"
+        events = [e for e in log.events if e[-1] != "c"]
+        assert events == [("start", "a"), ("end", "a"), ("update", 1), ("start", "b"), ("end", "b"),
+                          ("start", "d"), ("end", "d"), ("update", 2)], (slow, log.events)
+        late = producer.submit(job("late"), version=1)  # its version is gone: refused, never run on v2
+        with pytest.raises(RolloutError, match="scheduled for weight version 1 found the engine at version 2"):
+            late.result(5)
+        producer.close()
+        producer.join(5)
 
 
 # ---------------------------------------------------------------------------- partial rollouts

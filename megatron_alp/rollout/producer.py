@@ -6,6 +6,10 @@ probe) run one at a time, in submission order, on the producer's thread, while t
 thread goes on with the update. The engine's weights change only inside :meth:`updating`, which
 waits until no job holds the engine, so a job runs under one weight version from start to end.
 
+The deterministic schedule (``trainer.async_schedule: deterministic``): a job may name the weight
+version it must run under. It then waits for that version, and an update away from it waits until
+the job has run, so which weights generate which batch no longer depends on timing.
+
 Partial rollouts (``rollout.partial_rollout``): the producer is also the engine's
 :class:`~megatron_alp.rollout.base.Interruption`. A waiting update sets :meth:`requested`; the
 engine sees it between decoding steps, stops its unfinished requests and calls :meth:`pause`, which
@@ -20,7 +24,7 @@ import os
 import threading
 from collections import deque
 from concurrent.futures import Future
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 from megatron_alp.rollout.base import EngineRestarted, RolloutEngine, RolloutError
 
@@ -34,8 +38,9 @@ class RolloutProducer:
         self.cores = cores
         self.version = version  # the weight version the engine holds
         self._cond = threading.Condition()
-        self._jobs: deque[tuple[Callable[[RolloutEngine], Any], Future]] = deque()
+        self._jobs: deque[tuple[Callable[[RolloutEngine], Any], Future, Optional[int]]] = deque()
         self._running = False  # a job holds the engine (it may be paused)
+        self._running_version: Optional[int] = None  # the version the running job must run under
         self._paused = False  # the running job waits in pause() for an update
         self._update = False  # an update waits for, or holds, the engine
         self._closed = False
@@ -47,13 +52,15 @@ class RolloutProducer:
 
     # ------------------------------------------------------------------------------- jobs
 
-    def submit(self, work: Callable[[RolloutEngine], Any]) -> Future:
-        """Queue ``work(engine)``; its Future holds ``(version at its start, result)``."""
+    def submit(self, work: Callable[[RolloutEngine], Any], version: Optional[int] = None) -> Future:
+        """Queue ``work(engine)``; its Future holds ``(version at its start, result)``. ``version``:
+        the weight version it must run under (it waits for it; an update away from it waits for the
+        job); None: whichever the engine holds when the job's turn comes."""
         future: Future = Future()
         with self._cond:
             if self._closed:
                 raise RolloutError("the rollout producer is closed")
-            self._jobs.append((work, future))
+            self._jobs.append((work, future, version))
             self._cond.notify_all()
         return future
 
@@ -66,16 +73,19 @@ class RolloutProducer:
             os.sched_setaffinity(0, self.cores)  # this thread only
         while True:
             with self._cond:
-                while not self._closed and (not self._jobs or self._update):
+                while not self._closed and (not self._jobs or self._update or self._early()):
                     self._cond.wait()
                 if self._closed:
                     return
-                work, future = self._jobs.popleft()
-                self._running = True
+                work, future, wanted = self._jobs.popleft()
+                self._running, self._running_version = True, wanted
                 version = self.version
             try:
                 if future.set_running_or_notify_cancel():
                     try:
+                        if wanted is not None and wanted != version:
+                            raise RolloutError(f"a job scheduled for weight version {wanted} found the engine at "
+                                               f"version {version}: the update away from it did not wait")
                         if self._lost_weights is not None:  # never generate from the restarted engine's own weights
                             raise EngineRestarted(self._lost_weights)
                         future.set_result((version, work(self.engine)))
@@ -86,16 +96,28 @@ class RolloutProducer:
                         future.set_exception(err)
             finally:
                 with self._cond:
-                    self._running = False
+                    self._running, self._running_version = False, None
                     self._cond.notify_all()
+
+    def _early(self) -> bool:
+        """Whether the next job waits for a newer weight version (under the lock)."""
+        wanted = self._jobs[0][2]
+        return wanted is not None and wanted > self.version
+
+    def _owed(self) -> bool:
+        """Whether a job queued or running must still run under the current version (under the lock)."""
+        return self.version in [wanted for _, _, wanted in self._jobs] or self._running_version == self.version
 
     # ----------------------------------------------------------------------------- updates
 
     @contextlib.contextmanager
     def updating(self, version: int) -> Iterator[None]:
         """Exclusive use of the engine for a weight update (the caller's thread); afterwards the
-        engine holds ``version``. Waits for the running job to end, or to pause (partial rollouts)."""
+        engine holds ``version``. Waits for the jobs that must run under the current version (the
+        deterministic schedule), then for the running job to end, or to pause (partial rollouts)."""
         with self._cond:
+            while version != self.version and self._owed() and not self._closed:
+                self._cond.wait()
             self._update = True
             while self._running and not self._paused:
                 self._cond.wait()

@@ -21,6 +21,7 @@ from megatron_alp.trainer.hang_watch import watching
 from megatron_alp.trainer.phases import PhaseRunner
 from megatron_alp.trainer.run_dir import checkpoint_dir, kill_during_save, prune_checkpoints
 from megatron_alp.training.dist_checkpoint import (
+    EXTRA_FILE,
     current_layout,
     intact_checkpoint,
     load_checkpoint,
@@ -46,6 +47,8 @@ class Checkpointer:
         self.run_dir, self.shape, self.keep, self.hf_dir = run_dir, shape, keep, hf_dir
         self.phases, self.rank = phases, rank
         self.lora_base = LoRABase.of(hf_dir) if lora else None  # the frozen base, as the policy reads it
+        # rank 0: the checkpoint with the most groups generated ahead (asynchronous runs; the run's summary)
+        self.held_ahead: Optional[dict] = None
 
     def due(self, done: int) -> bool:
         """A checkpoint after ``done`` iterations (every ``trainer.save_interval`` and after the last)."""
@@ -86,5 +89,8 @@ class Checkpointer:
             save_checkpoint(where, learner.module, optimizer=learner.optimizer, opt_param_scheduler=learner.scheduler,
                             extra=extra, hf_dir=self.hf_dir, lora_base=self.lora_base, before_commit=kill_during_save)
         if self.rank == 0:
+            if extra.get("ahead_groups", 0) > (self.held_ahead or {}).get("groups", 0):
+                self.held_ahead = {"groups": extra["ahead_groups"], "versions": extra["ahead_versions"],
+                                   "bytes": (where / EXTRA_FILE).stat().st_size, "checkpoint": where.name}
             prune_checkpoints(self.run_dir, self.keep, upto=iteration)
         dist.barrier()

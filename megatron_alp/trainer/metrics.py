@@ -11,6 +11,7 @@ sampled batch (:func:`batch_metrics`), the trajectories' policy versions
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -113,10 +114,12 @@ def iteration_metrics(cfg: Config, groups: Groups, share, *, step: int, loss_met
     return out
 
 
-def run_summary(records: list[dict], seconds: float, run_dir: Path, k: int) -> tuple[list[str], dict[str, float]]:
+def run_summary(records: list[dict], seconds: float, run_dir: Path, k: int,
+                held_ahead: Optional[dict] = None) -> tuple[list[str], dict[str, float]]:
     """The end of a run for the terminal (lines) and the trackers (numbers): its length, the mean
     reward of its first and last ten iterations, validation average@``k`` of the base model and at
-    the end, and where its files are."""
+    the end, where its files are, and the most groups generated ahead that one of its checkpoints
+    held (``held_ahead``: :attr:`~megatron_alp.trainer.checkpointer.Checkpointer.held_ahead`)."""
     trained = [r for r in records if r.get("iteration", -1) >= 0]
     values = {"summary/seconds": seconds, "summary/iterations": float(len(trained))}
     lines = [f"run finished in {seconds / 60:.1f} min: {len(trained)} iterations"]
@@ -133,6 +136,12 @@ def run_summary(records: list[dict], seconds: float, run_dir: Path, k: int) -> t
         start = "base model" if first[0] < 0 else f"after iteration {first[0]}"
         lines[0] += f"; validation average@{k} {100 * first[1]:.1f}% ({start}) -> {100 * last[1]:.1f}%"
     ckpts = sorted((run_dir / "checkpoints").glob("iter_*")) if (run_dir / "checkpoints").is_dir() else []
+    if held_ahead:
+        values.update({"summary/ahead_groups": float(held_ahead["groups"]),
+                       "summary/ahead_bytes": float(held_ahead["bytes"])})
+        versions = ", ".join(str(v) for v in held_ahead["versions"])
+        lines.append(f"checkpoints held up to {held_ahead['groups']} groups generated ahead (weight versions "
+                     f"{versions}: {held_ahead['bytes'] / 2**20:.2f} MiB in {held_ahead['checkpoint']})")
     where = [f"checkpoints {ckpts[-1]}" if ckpts else None, f"metrics {run_dir / 'metrics.jsonl'}",
              f"figures {run_dir / 'plots'}/" if (run_dir / "plots").is_dir() else None,
              f"config {run_dir / 'config.yaml'}", f"log {run_dir / 'logs' / 'engine.log'}"]

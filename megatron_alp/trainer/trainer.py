@@ -198,7 +198,7 @@ class RLTrainer:
                                 checkpoint_dir(self.run_dir, self.iteration))
         if self.rank == 0:
             lines, values = run_summary(read_metrics(self.run_dir)[0], time.time() - started, self.run_dir,
-                                        self.cfg.eval.k)
+                                        self.cfg.eval.k, self.checkpointer.held_ahead)
             self.logger.summary(values)
             for line in lines:
                 say(line)

@@ -504,8 +504,15 @@ def _metadata(model, optimizer, opt_param_scheduler, extra: dict | None, hf_conf
         "lora_base": None if lora_base is None else dataclasses.asdict(lora_base),
         "has_optimizer": optimizer is not None,
         "has_scheduler": opt_param_scheduler is not None,
-        "extra": {k: v for k, v in (extra or {}).items() if isinstance(v, (int, float, str, bool))},
+        "extra": {k: v for k, v in (extra or {}).items() if _plain(v)},
     }
+
+
+def _plain(value) -> bool:
+    """A number, string or flag, or a list of them: what the metadata shows of ``extra``."""
+    if isinstance(value, list):
+        return all(_plain(v) and not isinstance(v, list) for v in value)
+    return isinstance(value, (int, float, str, bool))
 
 
 class DiskFullError(OSError):
