@@ -9,27 +9,13 @@ means a bug, and ``--debug`` (or ``MEGATRON_ALP_DEBUG=1``) shows it for bad inpu
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
+from importlib.metadata import version
 
+from megatron_alp.commands import COMMANDS, command_parser
 from megatron_alp.config import InputError
 from megatron_alp.runtime.console import held_warnings
-
-# subcommand -> (module, help). Each module defines add_arguments(parser) and run(args) -> int.
-COMMANDS = {
-    "train": ("megatron_alp.commands.train", "Run RL training (GRPO/ALP) from a YAML config."),
-    "eval": ("megatron_alp.commands.eval", "average@k / pass@k on math benchmarks."),
-    "mismatch": ("megatron_alp.commands.mismatch", "Training-inference mismatch of the config's engine settings (no training)."),
-    "intervene": ("megatron_alp.commands.intervene", "One update from one checkpoint twice, with and without ALP noise: the "
-                  "log-ratio envelope after each (paper Figure 3)."),
-    "plot": ("megatron_alp.commands.plot", "Draw the diagnostic figures of a run directory."),
-    "convert": ("checkpoint_tools.cli", "Convert and verify HF <-> Megatron checkpoints."),
-    "smoke": ("megatron_alp.commands.smoke", "Tiny model, one perturbed forward/backward (install check)."),
-    "make-tiny": ("megatron_alp.commands.make_tiny", "Write a tiny random HF model + tokenizer directory."),
-    "plan": ("megatron_alp.commands.plan", "Per-GPU memory of each phase of a config, and whether it fits."),
-    "config-docs": ("megatron_alp.commands.config_docs", "Print the configuration reference (Markdown)."),
-}
 
 EXIT_BAD_INPUT = 2
 
@@ -42,18 +28,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-alp", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true", help="show tracebacks for bad input too")
+    parser.add_argument("--version", action="version", version=f"megatron-alp {version('megatron-alp')}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
-    if not argv or argv[0] in ("-h", "--help"):
+    if argv[:1] in (["-h"], ["--help"], ["--version"]):
+        try:
+            parser.parse_args(argv[:1])
+        except SystemExit as done:  # argparse exits once it has printed the help or the version
+            return int(done.code or 0)
+    if not argv:
         parser.print_help()
         return 0
     if argv[0] not in COMMANDS:
         parser.error(f"unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}")
     with held_warnings():  # import-time warnings of the libraries belong in the command's log
-        module = importlib.import_module(COMMANDS[argv[0]][0])
-    cmd_parser = argparse.ArgumentParser(prog=f"megatron-alp {argv[0]}", description=COMMANDS[argv[0]][1])
-    module.add_arguments(cmd_parser)
+        cmd_parser, module = command_parser(argv[0])
     try:
         args = cmd_parser.parse_intermixed_args(argv[1:])  # KEY=VALUE overrides may follow options too
     except TypeError:  # argparse cannot intermix a command with sub-commands (`convert`)

@@ -1,28 +1,44 @@
-"""docs/configuration.md is generated from the config classes and the loss registry, and is current."""
+"""The reference pages of the documentation (docs/configuration.md, docs/reference/) are generated from
+the config classes, the registries, the metric catalogue, the phase table and the command parsers, and
+are current."""
 
 import re
 from pathlib import Path
 
 from megatron_alp.algorithms.policy_loss import POLICY_LOSSES
 from megatron_alp.cli import main as cli_main
-from megatron_alp.commands.config_docs import config_docs
+from megatron_alp.commands import COMMANDS
+from megatron_alp.commands.config_docs import PAGES, commands_docs, config_docs, losses_docs, phases_docs
+from megatron_alp.plan.phases import PHASES
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_configuration_docs_up_to_date(tmp_path):
-    """docs/configuration.md is generated; regenerate with `megatron-alp config-docs --out docs/configuration.md`."""
-    out = tmp_path / "configuration.md"
-    assert cli_main(["config-docs", "--out", str(out)]) == 0
-    assert out.read_text() == config_docs()
-    assert (ROOT / "docs" / "configuration.md").read_text() == config_docs(), (
-        "docs/configuration.md is stale: run `megatron-alp config-docs --out docs/configuration.md`")
+def test_generated_pages_up_to_date(tmp_path):
+    """Every generated page; regenerate with `megatron-alp config-docs --site docs`."""
+    assert cli_main(["config-docs", "--out", str(tmp_path / "configuration.md")]) == 0
+    assert (tmp_path / "configuration.md").read_text() == config_docs()
+    assert cli_main(["config-docs", "--site", str(tmp_path / "site")]) == 0
+    for path, page in PAGES.items():
+        text = page()
+        assert (tmp_path / "site" / path).read_text() == text
+        assert (ROOT / "docs" / path).read_text() == text, (
+            f"docs/{path} is stale: run `megatron-alp config-docs --site docs`")
 
 
-def test_docs_list_every_registered_loss():
-    text = config_docs()
+def test_docs_list_every_registered_loss_phase_and_command():
+    losses = losses_docs()
     for name, spec in POLICY_LOSSES.items():
-        assert f"| `{name}` | {spec.paper} |" in text, name
+        assert f"| `{name}` | {spec.paper} |" in losses, name
+    phases = phases_docs()
+    for name in PHASES:
+        assert f"| `{name}` |" in phases, name
+    commands = commands_docs()
+    for name in COMMANDS:
+        assert f"## `megatron-alp {name}`" in commands, name
+    for action in ("hf-to-mcore", "mcore-to-hf", "mcore-to-peft", "reshard", "quantize", "verify"):
+        assert f"### `megatron-alp convert {action}`" in commands, action
+    assert "| `--gpu-mem` `GPU_MEM` |" in commands  # an option with its value, as --help names it
 
 
 def test_each_loss_declares_the_keys_of_its_own_that_the_loss_section_groups_under_its_name():

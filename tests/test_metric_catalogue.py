@@ -1,6 +1,6 @@
 """The metric catalogue (megatron_alp/trainer/metric_catalogue.py) is the one list of the metrics a run
 writes: every key the shared CI-sized runs write has an entry, every entry said to be there every
-iteration is, and each names a module that exists. docs/configuration.md is generated from it
+iteration is, and each names a module that exists. docs/reference/metrics.md is generated from it
 (tests/test_config_docs.py keeps that current)."""
 
 from pathlib import Path

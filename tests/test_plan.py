@@ -481,10 +481,10 @@ def test_separate_engines_refusals_name_the_keys(capsys):
 
 @pytest.mark.parametrize("path", GPU_CONFIGS, ids=lambda p: p.name)
 def test_docs_show_the_current_plan(path):
-    """docs/memory_plan.md's summary row of each shipped config matches what the planner says now."""
+    """docs/results/memory_plan.md's summary row of each shipped config matches what the planner says now."""
     gpus = stated_gpus(path)
     plan = memory_plan(load_config(path), gpus, H100)
-    row = next(line for line in (ROOT / "docs" / "memory_plan.md").read_text().splitlines()
+    row = next(line for line in (ROOT / "docs" / "results" / "memory_plan.md").read_text().splitlines()
                if line.startswith(f"| `{path.stem}` |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[1].endswith(f"(`--gpus {gpus}`)")

@@ -456,7 +456,7 @@ def test_missing_inputs_are_named():
 def test_registry_accepts_new_losses():
     """A new loss is one registered function: selectable as loss.name, its declared properties used
     by config validation and listed in the generated docs, with no edit anywhere else."""
-    from megatron_alp.commands.config_docs import config_docs
+    from megatron_alp.commands.config_docs import losses_docs
 
     @register_policy_loss("test_half_alp", paper="Half-ALP", level="token", perturbed=True,
                           ratio="(pi_theta,sigma / pi_rollout)^0.5", clip=(0.1, 0.1))
@@ -469,7 +469,7 @@ def test_registry_accepts_new_losses():
         cfg = config_from_dict({"model": {"tiny": "qwen2"}, "loss": {"name": "test_half_alp"}})
         assert cfg.perturbation.enabled is True  # declared perturbed
         assert (cfg.loss.clip_low, cfg.loss.clip_high) == (0.1, 0.1)  # its declared default clip
-        assert "`test_half_alp` | Half-ALP" in config_docs()
+        assert "`test_half_alp` | Half-ALP" in losses_docs()
         d = make_batch(3, 4, seed=1)
         loss, _ = policy_loss(cfg.loss, _inputs(d))
         base, _ = policy_loss(cfg_for("alp_token"), _inputs(d))

@@ -4,7 +4,7 @@
 :mod:`~megatron_alp.plan.estimates`) and, for a plan that does not fit, the changes that would
 (:mod:`~megatron_alp.plan.advice`). A plan fits when each phase stays under 95% of the GPU
 (:data:`~megatron_alp.plan.report.HEADROOM`: allocator fragmentation and the error of these
-counts). :func:`check_fits` is the trainer's start-up check; docs/memory_plan.md has the plan of
+counts). :func:`check_fits` is the trainer's start-up check; docs/results/memory_plan.md has the plan of
 every shipped GPU config.
 """
 

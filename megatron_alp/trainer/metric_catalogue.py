@@ -1,6 +1,6 @@
 """Every key of a run's ``metrics.jsonl``: what it measures, its unit, the module that computes it
 and when it is there. The one list of them: ``megatron-alp config-docs`` writes it into
-docs/configuration.md (the one generated reference of config keys and metrics), and a test holds
+docs/reference/metrics.md (the one generated reference of metrics), and a test holds
 every key a CI-sized run writes against it, so a metric added without its entry fails there.
 
 A key with a variable part is a pattern: ``{name}`` stands for one path segment (``sigma/{site}/mean``
