@@ -5,16 +5,18 @@ The CPU quickstart at CI size on one rank, ``rollout.placement: separate`` (the 
 core, generating ahead), ``trainer.async_schedule: deterministic``, a checkpoint every iteration.
 Every run starts from the same warm-started base model (the first run's, copied in).
 
-- replay: ``max_staleness`` 1 and 2, each run twice; every deterministic metric of every iteration
-  compared (``KEYS``). With ``--free`` the same pair under ``async_schedule: free`` shows what the
-  deterministic schedule removes (which weights generated which batch varies with timing).
+- replay: ``max_staleness`` 1 and 2, and 2 with partial rollouts (cut at a fixed point), each run
+  twice; every deterministic metric of every iteration compared (``KEYS``). With ``--free`` the same
+  pair under ``async_schedule: free`` shows what the deterministic schedule removes (which weights
+  generated which batch varies with timing).
 - kills (``max_staleness`` 2): for each of ``MOMENTS`` a run is SIGKILLed (launcher, trainer and
   engine at once) when rank 0's heartbeat (``trainer.hang_deadline_s``) shows that phase of that
   iteration, or just after a checkpoint landed, then resumed (``trainer.resume``) to the end; its
-  metrics are compared with the uninterrupted k = 2 run's.
+  metrics are compared with the uninterrupted k = 2 run's. ``--partial``: the kills again with
+  partial rollouts, against the uninterrupted partial run.
 
     python benchmarks/bench_async_replay.py                   # 5 iterations, 8 kills (~30 min on 2 cores)
-    python benchmarks/bench_async_replay.py --kills 3 --free
+    python benchmarks/bench_async_replay.py --kills 3 --free --partial
 
 Prints one line per comparison (iterations equal / differing, the largest relative difference and
 its key) and exits 1 when a deterministic comparison differs.
@@ -152,6 +154,7 @@ def main() -> int:
     parser.add_argument("--iterations", type=int, default=5)
     parser.add_argument("--kills", type=int, default=len(MOMENTS), help=f"the first N of the {len(MOMENTS)} moments")
     parser.add_argument("--free", action="store_true", help="also replay under async_schedule: free, for contrast")
+    parser.add_argument("--partial", action="store_true", help="the kills again with partial rollouts")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_async_replay")
     args = parser.parse_args()
     out = args.out.resolve()
@@ -159,8 +162,9 @@ def main() -> int:
     iters = [f"trainer.iterations={args.iterations}"]
     lines, failed = [], False
 
-    def staleness(k, schedule="deterministic"):
-        return [*iters, f"trainer.max_staleness={k}", f"trainer.async_schedule={schedule}"]
+    def staleness(k, schedule="deterministic", partial=False):
+        return [*iters, f"trainer.max_staleness={k}", f"trainer.async_schedule={schedule}",
+                f"rollout.partial_rollout={str(partial).lower()}"]
 
     t0 = time.time()
     reference = out / "k2_a"
@@ -172,7 +176,8 @@ def main() -> int:
     straight = metrics(reference)
     per_iteration = {"deterministic k=2": [r["timing/total_s"] for r in straight[1:]]}
 
-    arms = [("k2_b", staleness(2), "k2_a"), ("k1_a", staleness(1), None), ("k1_b", staleness(1), "k1_a")]
+    arms = [("k2_b", staleness(2), "k2_a"), ("k1_a", staleness(1), None), ("k1_b", staleness(1), "k1_a"),
+            ("k2_partial_a", staleness(2, partial=True), None), ("k2_partial_b", staleness(2, partial=True), "k2_partial_a")]
     if args.free:
         arms += [("free_k2_a", staleness(2, "free"), None), ("free_k2_b", staleness(2, "free"), "free_k2_a")]
     for name, overrides, against in arms:
@@ -188,15 +193,17 @@ def main() -> int:
         for name in ("free_k2_a", "free_k2_b"):
             lines.append(f"{name} staleness/mean by iteration: {[r['staleness/mean'] for r in metrics(out / name)]}")
 
-    for n, (iteration, phase) in enumerate(MOMENTS[:args.kills]):
-        run = fresh(out / f"kill_{n}", base)
-        hit = kill_at(run, staleness(2), iteration, phase)
-        run_to_end(run, staleness(2), "resumed")
-        result = compare(straight, metrics(run))
-        moment = f"just after checkpoint {iteration + 1}" if phase == "saved" else f"{phase} of iteration {iteration}"
-        lines.append(line(f"killed at {moment} (hit: {hit})", result))
-        failed |= bool(result[1])
-        print("  " + lines[-1], flush=True)
+    kinds = [(False, straight)] + ([(True, metrics(out / "k2_partial_a"))] if args.partial else [])
+    for partial, uninterrupted in kinds:
+        for n, (iteration, phase) in enumerate(MOMENTS[:args.kills]):
+            run = fresh(out / f"kill_{'partial_' if partial else ''}{n}", base)
+            hit = kill_at(run, staleness(2, partial=partial), iteration, phase)
+            run_to_end(run, staleness(2, partial=partial), "resumed")
+            result = compare(uninterrupted, metrics(run))
+            moment = f"just after checkpoint {iteration + 1}" if phase == "saved" else f"{phase} of iteration {iteration}"
+            lines.append(line(f"{'partial: ' if partial else ''}killed at {moment} (hit: {hit})", result))
+            failed |= bool(result[1])
+            print("  " + lines[-1], flush=True)
 
     print(f"\nasync replay on the CPU quickstart ({args.iterations} iterations each, {(time.time() - t0) / 60:.0f} min); "
           f"runs in {out}")

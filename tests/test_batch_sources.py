@@ -132,6 +132,7 @@ class ScriptedRollout:
         self.generated: list[tuple[list[int], object]] = []  # generate calls: (prompt indices, params)
         self.submitted: list[tuple[list[int], object]] = []  # submit calls: (prompt indices, params)
         self.wanted: list = []  # the weight version each submit call named (None: any)
+        self.cuts: list = []  # and its fixed cut (None: none)
         self.collected: list[Batch] = []
         self.fetched: list = []  # the items of each fetch_routing call
         self.generated_by: dict[int, list[int]] = {}
@@ -143,9 +144,10 @@ class ScriptedRollout:
         self.generated.append(([ids[0] - FIRST_ID for ids in prompts], params))
         return self.engine.generate(prompts, params)
 
-    def submit(self, prompts, params, work=None, version=None):
+    def submit(self, prompts, params, work=None, version=None, cut=None):
         self.submitted.append(([ids[0] - FIRST_ID for ids in prompts], params))
         self.wanted.append(version)
+        self.cuts.append(cut)
         batch = Batch(prompts, params, work or generate_work(params), [list(range(len(prompts)))])
         made_by = self.version if version is None else version  # a producer waits for the version named
         versions = self.generated_by.pop(params.seed, [made_by] * len(prompts))
@@ -479,6 +481,31 @@ def test_a_checkpoint_holds_the_batches_generated_ahead_and_a_resume_trains_on_t
     # the resumed run generated only the batches after those held ahead, each by the version it names
     assert [prompts for prompts, _ in resumed_rollout.submitted] == batches[r + k + 1:]
     assert resumed_rollout.wanted == [j - k for j in range(r + k + 1, ITERATIONS)]
+
+
+@pytest.mark.parametrize("schedule", ["deterministic", "free"])
+def test_partial_rollouts_cut_a_batch_at_a_fixed_point_when_the_next_one_needs_newer_weights(schedule):
+    """Under the deterministic schedule batch i needs the weights of max(0, i - k); batches 0 .. k - 1
+    share version 0 with the batch after them and run whole, every later one is cut at
+    rollout.partial_cut_tokens (default: half the response budget) so its successor's version can
+    come. The free schedule names neither."""
+    k = 2
+    cfg = config("rollout.partial_rollout=true", f"trainer.async_schedule={schedule}", staleness=k)
+    rollout = ScriptedRollout(ScriptedEngine())
+    source = ahead(cfg, rollout, sampler(cfg))
+    for i in range(ITERATIONS):
+        rollout.version = i
+        source.next_batch(i, {})
+    half = cfg.rollout.sampling.max_response_length // 2
+    if schedule == "free":
+        assert rollout.wanted == rollout.cuts == [None] * ITERATIONS
+    else:
+        assert rollout.wanted == [max(0, i - k) for i in range(ITERATIONS)]
+        assert rollout.cuts == [None] * k + [half] * (ITERATIONS - k)
+    cfg = config("rollout.partial_rollout=true", "rollout.partial_cut_tokens=5", staleness=k)
+    rollout = ScriptedRollout(ScriptedEngine())
+    ahead(cfg, rollout, sampler(cfg)).next_batch(0, {})
+    assert rollout.cuts == [None, None, 5]
 
 
 @pytest.mark.parametrize("engine_delay,train_delay", [(0.15, 0.0), (0.0, 0.15)])

@@ -157,14 +157,16 @@ def test_async_settings_that_cannot_work_are_refused_naming_the_keys():
         ("rollout.cpu_cores=[1]", "rollout.engine_process=in_process"): "cpu_cores runs the engine in a process",
         ("rollout.placement=separate", "rollout.partial_rollout=true"): "rollout.partial_rollout continues "
                                                                         "generations across weight updates",
-        ("rollout.placement=separate", "trainer.max_staleness=2", "rollout.partial_rollout=true"):
-            "Set trainer.async_schedule: free to use partial rollouts",
+        ("rollout.placement=separate", "trainer.max_staleness=2", "rollout.partial_rollout=true",
+         "rollout.partial_cut_tokens=64", "rollout.sampling.max_response_length=64"):
+            "rollout.partial_cut_tokens=64 must be below rollout.sampling.max_response_length=64",
     }
     for overrides, message in cases.items():
         with pytest.raises(ConfigError, match=re.escape(message)):
             load_config(quick, list(overrides))
-    load_config(quick, ["rollout.placement=separate", "trainer.max_staleness=2", "trainer.async_schedule=free",
-                        "rollout.partial_rollout=true"])
+    for schedule in ("deterministic", "free"):
+        load_config(quick, ["rollout.placement=separate", "trainer.max_staleness=2", f"trainer.async_schedule={schedule}",
+                            "rollout.partial_rollout=true"])
 
 
 def test_sync_methods_that_cannot_reach_gpu_engines_are_refused_naming_both_keys():

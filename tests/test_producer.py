@@ -134,6 +134,31 @@ def test_a_job_named_for_a_version_runs_under_it_whatever_the_timing():
         producer.join(5)
 
 
+def test_an_update_away_from_a_cut_job_waits_for_its_cut_and_the_job_for_the_update():
+    """A job for version 0 with a fixed cut pauses there: the update to 1 goes ahead of its end (not of
+    its cut), the job goes on under version 1, and the next job (for version 1) only after it.
+    requested() never asks a job of the schedule to stop: its cut does not depend on timing."""
+    log = _Log()
+    producer = RolloutProducer(engine="engine", version=0)
+
+    def cut_job(engine):
+        log.add("start", producer.cut_after(), producer.requested())
+        time.sleep(0.2)
+        log.add("cut")
+        log.add("continue", producer.pause())
+        log.add("end")
+        return "a"
+
+    a = producer.submit(cut_job, version=0, cut=8)
+    b = producer.submit(lambda engine: log.add("b", producer.cut_after()) or "b", version=1)
+    with producer.updating(1):  # asked for at once: waits for the cut, not for the end
+        log.add("update", producer.requested())
+    assert a.result(5) == (0, "a") and b.result(5) == (1, "b")
+    assert log.events == [("start", 8, False), ("cut",), ("update", False), ("continue", 1), ("end",), ("b", None)]
+    producer.close()
+    producer.join(5)
+
+
 # ---------------------------------------------------------------------------- partial rollouts
 
 FP32_TOL = 1e-4  # float32 engine vs float32 transformers on the same tokens
@@ -191,6 +216,9 @@ class _UpdateAfter:
     def requested(self):
         self.asked += 1
         return self.pauses == 0 and self.asked > self.steps
+
+    def cut_after(self):
+        return None  # cut where requested() says
 
     def pause(self):
         self.pauses += 1
@@ -268,3 +296,34 @@ def test_a_producer_update_pauses_a_partial_rollout_instead_of_waiting_for_it(mo
             producer.close()
             engine.shutdown()
             producer.join(10)
+
+
+def test_a_fixed_cut_makes_a_partial_rollout_independent_of_when_the_update_comes(model_dir):
+    """The deterministic schedule's partial rollouts: a job for version 0 with a cut of 8 tokens.
+    However early or late the update is asked for, it lands when every response has its first 8
+    tokens, and the rest comes from the new weights: the same tokens and spans both times."""
+    new_state = _changed_weights(model_dir)
+    prompts = [[5, 9, 13, 17, 21], [7, 8, 30], [40, 41, 42, 43]]
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=40, seed=1)
+    cut = 8
+    outcomes = []
+    for delay in (0.0, 1.0):  # the update asked for at once, then a second later
+        engine = _engine(model_dir, partial_rollout=True)
+        producer = RolloutProducer(engine, version=0, partial_rollouts=True)
+        try:
+            job = producer.submit(lambda e: e.generate(prompts, params), version=0, cut=cut)
+            time.sleep(delay)
+            with producer.updating(1):
+                assert not job.done()  # the update waited for the first span only
+                engine.update_weights(list(new_state.items()))
+            version, groups = job.result(120)
+            assert version == 0
+            outcomes.append([(c.response_ids, c.version_spans) for g in groups for c in g])
+        finally:
+            producer.close()
+            engine.shutdown()
+            producer.join(10)
+    assert outcomes[0] == outcomes[1]
+    for tokens, spans in outcomes[0]:
+        assert spans == ([(0, 0), (cut, 1)] if len(tokens) > cut else None), (len(tokens), spans)
+    assert any(len(tokens) > cut for tokens, _ in outcomes[0])

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable, Optional
 
-from megatron_alp.config import Config, EvalConfig, SamplingConfig, TIRConfig
+from megatron_alp.config import Config, EvalConfig, RolloutConfig, SamplingConfig, TIRConfig
 from megatron_alp.data.trajectory import Trajectory
 from megatron_alp.rollout.base import SamplingParams
 from megatron_alp.runtime.platform import has_gpu
@@ -40,6 +40,12 @@ def rollout_params(sampling: SamplingConfig, seed: Optional[int], **changes) -> 
     params = SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
                             top_k=sampling.top_k, max_tokens=sampling.max_response_length, seed=seed)
     return replace(params, **changes)
+
+
+def partial_cut(rollout: RolloutConfig) -> int:
+    """The fixed cut of partial rollouts under the deterministic schedule: ``rollout.partial_cut_tokens``,
+    by default half the response budget."""
+    return rollout.partial_cut_tokens or max(1, rollout.sampling.max_response_length // 2)
 
 
 def eval_params(ev: EvalConfig, max_tokens: int, seed: Optional[int] = None) -> SamplingParams:

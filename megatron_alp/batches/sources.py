@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from megatron_alp.algorithms.dynamic_sampling import Groups, fill_batch
-from megatron_alp.batches.sampling import rollout_params, sample, sample_seed, share_work
+from megatron_alp.batches.sampling import partial_cut, rollout_params, sample, sample_seed, share_work
 from megatron_alp.batches.scoring import Scorer
 from megatron_alp.config import Config
 from megatron_alp.data.prompts import PromptSampler
@@ -128,12 +128,18 @@ class AheadByK(BatchSource):
         """Draw the prompts of ``iteration`` and queue them on the engines (collective). Under the
         deterministic schedule they name the weights that must generate them: those of iteration
         ``iteration - k``, or the current ones where those are gone (the first k batches of a run,
-        or of a resume from a checkpoint without batches held ahead)."""
+        or of a resume from a checkpoint without batches held ahead). With partial rollouts a batch
+        whose successor needs the next version is cut: the first :func:`partial_cut` tokens of each
+        response by its own version, the rest by the next."""
         state = self.sampler.state_dict()
         prompts = self.sampler.next_batch(self.cfg.trainer.prompts_per_iteration)
         params = self._params(iteration)
         version = max(iteration - self.max_staleness, self.rollout.version) if self.deterministic else None
-        batch = self.rollout.submit([p.prompt_ids for p in prompts], params, self._work(params), version=version)
+        cut = None  # partial rollouts: the batch after it needs the next version, so its responses are cut
+        if self.deterministic and self.cfg.rollout.partial_rollout and version == iteration - self.max_staleness:
+            cut = partial_cut(self.cfg.rollout)
+        batch = self.rollout.submit([p.prompt_ids for p in prompts], params, self._work(params), version=version,
+                                    cut=cut)
         self._submitted[iteration] = _Submitted(prompts, state, batch)
 
     def next_batch(self, iteration: int, stats: dict) -> Groups:

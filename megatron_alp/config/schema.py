@@ -83,10 +83,10 @@ class Config(_Section):
         if r.partial_rollout and not t.max_staleness:
             raise ValueError("rollout.partial_rollout continues generations across weight updates, which happen "
                              "during generation only with trainer.max_staleness >= 1")
-        if r.partial_rollout and t.async_schedule == "deterministic":
-            raise ValueError("rollout.partial_rollout cuts generations wherever a weight update finds them, which "
-                             "depends on timing; trainer.async_schedule: deterministic generates each batch with "
-                             "one weight version. Set trainer.async_schedule: free to use partial rollouts")
+        if r.partial_cut_tokens is not None and r.partial_cut_tokens >= s.max_response_length:
+            raise ValueError(f"rollout.partial_cut_tokens={r.partial_cut_tokens} must be below "
+                             f"rollout.sampling.max_response_length={s.max_response_length} (the first span of a "
+                             "response, the rest coming from the next weights)")
         if r.partial_rollout and self.moe.routing_replay == "r3":
             raise ValueError("rollout.partial_rollout with moe.routing_replay=r3: a continued sequence is re-fed under "
                              "the new weights, so the engine's routing of its earlier span would be lost; use r2 or "

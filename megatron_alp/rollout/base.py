@@ -67,6 +67,11 @@ class Interruption(Protocol):
     def requested(self) -> bool:
         """A weight update is waiting: stop the unfinished requests and :meth:`pause`."""
 
+    def cut_after(self) -> Optional[int]:
+        """A fixed cut for the running job (the deterministic schedule): each response's first span
+        ends after this many tokens and the rest waits, in :meth:`pause`, for the next version; None:
+        the cut is wherever :meth:`requested` finds the job."""
+
     def pause(self) -> int:
         """Block while the weights change; returns the new version."""
 

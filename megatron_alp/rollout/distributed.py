@@ -103,15 +103,15 @@ class DistributedRollout(ReplicaSet):
         return self.collect(self.submit(prompts, params)).results
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, work: Optional[Work] = None,
-               version: Optional[int] = None) -> Batch:
+               version: Optional[int] = None, cut: Optional[int] = None) -> Batch:
         """Split ``prompts`` over the replicas and, with background generation, queue each leader's
         share on its producer at once (collective: every rank calls it, in the same order). Without
         a producer the share runs in :meth:`collect`. ``work`` defaults to the plain generate call;
-        ``version``: the weight version that must generate it (the deterministic schedule; see
-        :meth:`RolloutProducer.submit`)."""
+        ``version`` and ``cut``: the weight version that must generate it and its fixed cut (the
+        deterministic schedule; see :meth:`RolloutProducer.submit`)."""
         batch = Batch(prompts, params, work or generate_work(params), self.split(prompts, params))
         if self.producer is not None and self.replica is not None and batch.shares[self.replica]:
-            batch.future = self.producer.submit(self._share_job(batch, batch.shares[self.replica]), version)
+            batch.future = self.producer.submit(self._share_job(batch, batch.shares[self.replica]), version, cut)
         return batch
 
     def _share_job(self, batch: Batch, mine: list[int]) -> Callable[[RolloutEngine], Any]:

@@ -8,7 +8,9 @@ waits until no job holds the engine, so a job runs under one weight version from
 
 The deterministic schedule (``trainer.async_schedule: deterministic``): a job may name the weight
 version it must run under. It then waits for that version, and an update away from it waits until
-the job has run, so which weights generate which batch no longer depends on timing.
+the job has run, so which weights generate which batch no longer depends on timing. With partial
+rollouts such a job may also name a fixed cut (:meth:`cut_after`): the update away from its version
+waits only until every response reached the cut, and the job waits there for the next version.
 
 Partial rollouts (``rollout.partial_rollout``): the producer is also the engine's
 :class:`~megatron_alp.rollout.base.Interruption`. A waiting update sets :meth:`requested`; the
@@ -38,9 +40,10 @@ class RolloutProducer:
         self.cores = cores
         self.version = version  # the weight version the engine holds
         self._cond = threading.Condition()
-        self._jobs: deque[tuple[Callable[[RolloutEngine], Any], Future, Optional[int]]] = deque()
+        self._jobs: deque[tuple[Callable[[RolloutEngine], Any], Future, Optional[int], Optional[int]]] = deque()
         self._running = False  # a job holds the engine (it may be paused)
         self._running_version: Optional[int] = None  # the version the running job must run under
+        self._running_cut: Optional[int] = None  # its fixed cut (tokens per response), if any
         self._paused = False  # the running job waits in pause() for an update
         self._update = False  # an update waits for, or holds, the engine
         self._closed = False
@@ -52,15 +55,18 @@ class RolloutProducer:
 
     # ------------------------------------------------------------------------------- jobs
 
-    def submit(self, work: Callable[[RolloutEngine], Any], version: Optional[int] = None) -> Future:
+    def submit(self, work: Callable[[RolloutEngine], Any], version: Optional[int] = None,
+               cut: Optional[int] = None) -> Future:
         """Queue ``work(engine)``; its Future holds ``(version at its start, result)``. ``version``:
         the weight version it must run under (it waits for it; an update away from it waits for the
-        job); None: whichever the engine holds when the job's turn comes."""
+        job); None: whichever the engine holds when the job's turn comes. ``cut`` (with ``version``
+        and partial rollouts): the tokens of each response generated under ``version``; the rest
+        continues under the next one."""
         future: Future = Future()
         with self._cond:
             if self._closed:
                 raise RolloutError("the rollout producer is closed")
-            self._jobs.append((work, future, version))
+            self._jobs.append((work, future, version, cut))
             self._cond.notify_all()
         return future
 
@@ -77,7 +83,7 @@ class RolloutProducer:
                     self._cond.wait()
                 if self._closed:
                     return
-                work, future, wanted = self._jobs.popleft()
+                work, future, wanted, self._running_cut = self._jobs.popleft()
                 self._running, self._running_version = True, wanted
                 version = self.version
             try:
@@ -96,7 +102,7 @@ class RolloutProducer:
                         future.set_exception(err)
             finally:
                 with self._cond:
-                    self._running, self._running_version = False, None
+                    self._running, self._running_version, self._running_cut = False, None, None
                     self._cond.notify_all()
 
     def _early(self) -> bool:
@@ -105,8 +111,10 @@ class RolloutProducer:
         return wanted is not None and wanted > self.version
 
     def _owed(self) -> bool:
-        """Whether a job queued or running must still run under the current version (under the lock)."""
-        return self.version in [wanted for _, _, wanted in self._jobs] or self._running_version == self.version
+        """Whether a job queued or running (not paused at its cut) must still run under the current
+        version (under the lock)."""
+        queued = [wanted for _, _, wanted, _ in self._jobs]
+        return self.version in queued or (self._running_version == self.version and not self._paused)
 
     # ----------------------------------------------------------------------------- updates
 
@@ -131,17 +139,26 @@ class RolloutProducer:
                 self._cond.notify_all()
 
     def requested(self) -> bool:
-        """Whether an update waits for the engine (read by the engine between decoding steps)."""
-        return self._update
+        """Whether an update waits for the engine (read by the engine between decoding steps). Never
+        for a job of the deterministic schedule: where it is cut does not depend on timing."""
+        return self._update and self._running_version is None
+
+    def cut_after(self) -> Optional[int]:
+        """The running job's fixed cut (tokens per response), or None."""
+        return self._running_cut
 
     def pause(self) -> int:
-        """Called by the running job: let the waiting update run; returns the version after it."""
+        """Called by the running job: let the waiting update run (at a fixed cut: wait for the next
+        version); returns the version after it."""
         with self._cond:
             self._paused = True
+            before = self.version
             self._cond.notify_all()
-            while self._update:
+            while self._update or (self._running_cut is not None and self.version == before and not self._closed):
                 self._cond.wait()
             self._paused = False
+            if self._closed:
+                raise RolloutError("the rollout producer closed while a generation waited for new weights")
             return self.version
 
     # --------------------------------------------------------------------------- lifecycle

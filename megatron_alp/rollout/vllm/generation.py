@@ -5,7 +5,9 @@ rollouts), and turned into :class:`~megatron_alp.rollout.base.Completion` s.
 Each sample is a request of its own, so a failed sample is retried alone; a seeded sample draws
 from (seed, its prompt's key, sample). With partial rollouts the requests stream deltas (kept by
 :class:`Partial`), and a waiting weight update stops the unfinished ones between decoding steps;
-they continue after it from what they had generated, as a new span of their response.
+they continue after it from what they had generated, as a new span of their response. Under the
+deterministic schedule the cut is fixed instead (``Interruption.cut_after``): each sample's first
+span ends after that many tokens, whenever the update comes, and the rest waits for the next version.
 """
 
 from __future__ import annotations
@@ -76,6 +78,10 @@ class Partial:
     def text(self, key) -> str:
         return "".join(self._get(key)[2])
 
+    def spans(self, i: int, j: int) -> int:
+        """How many spans sample (i, j) has begun."""
+        return len(self._get((i, j))[3])
+
     def new_span(self, i: int, j: int, version: int) -> int:
         """Start a span at the current end of sample (i, j); returns its number (1, 2, ...)."""
         spans = self._get((i, j))[3]
@@ -101,8 +107,10 @@ class GenerationPass:
         self.cfg, self.adapters, self.return_routing = cfg, adapters, return_routing
         self.interruption = interruption
         self.partial = Partial(interruption.version) if interruption is not None else None
+        self.cut = interruption.cut_after() if interruption is not None else None  # tokens of a fixed first span
         self.ids: dict[str, tuple[int, int]] = {}
         self.got: dict[tuple[int, int], Completion] = {}
+        self.cut_off: list[str] = []  # requests that ended at the fixed cut, to continue under the next version
         self.aborted = 0
 
     def run(self, pending: list[tuple[int, int]]) -> tuple[dict, Optional[str]]:
@@ -113,15 +121,17 @@ class GenerationPass:
         try:
             for i, j in pending:
                 self._add(i, j)
-            while self.engine.has_unfinished_requests():
+            while self.engine.has_unfinished_requests() or self.cut_off:
                 if time.monotonic() > deadline:
-                    unfinished = self._stop()
+                    unfinished = self._stop() + self.cut_off
                     return self.got, (f"timed out after {limit:g} s with "
                                       f"{len(unfinished)} of {len(self.ids)} samples unfinished")
-                if self.partial is not None and self.interruption.requested():
-                    self._continue_after_update()
-                    continue
-                self._step()
+                if not self.engine.has_unfinished_requests():  # every sample finished or at the fixed cut
+                    deadline += self._continue_after_update(self.cut_off)
+                elif self.partial is not None and self.interruption.requested():
+                    deadline += self._continue_after_update(self._stop())
+                else:
+                    self._step()
         except RolloutError:
             raise
         except Exception as err:
@@ -137,8 +147,10 @@ class GenerationPass:
         params, partial = self.params, self.partial
         done = partial.tokens(i, j) if partial is not None else []
         seed = None if params.seed is None else derive_seed(params.seed, self.keys[i], j, *([span] if span else []))
-        vparams = vllm_sampling_params(replace(params, max_tokens=params.max_tokens - len(done)), seed=seed,
-                                       delta=partial is not None)
+        budget = params.max_tokens - len(done)
+        if self.cut is not None and span == 0:
+            budget = min(budget, self.cut)
+        vparams = vllm_sampling_params(replace(params, max_tokens=budget), seed=seed, delta=partial is not None)
         rid = f"b{self.batch}-p{i}-s{j}" + (f"-c{span}" if span else "")
         self.ids[rid] = (i, j)
         try:
@@ -156,14 +168,17 @@ class GenerationPass:
             self.engine.step()
         return unfinished
 
-    def _continue_after_update(self) -> None:
-        """Stop the unfinished samples, let the weight update run, and send each again from where it
-        stopped, as a new span."""
-        stopped = self._stop()
+    def _continue_after_update(self, stopped: list[str]) -> float:
+        """Let the weight update run, and send each ``stopped`` request again from where it stopped,
+        as a new span; the seconds the update took (they do not count against the attempt's time)."""
+        t0 = time.monotonic()
         version = self.interruption.pause()  # the weights change here
+        waited = time.monotonic() - t0
         for rid in stopped:
             i, j = self.ids.pop(rid)
             self._add(i, j, self.partial.new_span(i, j, version))
+        self.cut_off = []
+        return waited
 
     def _step(self) -> None:
         for out in self.engine.step():
@@ -172,12 +187,19 @@ class GenerationPass:
             key = self.ids[out.request_id]
             if self.partial is not None:
                 self.partial.extend(key, out.outputs[0])
-            if out.finished:
+            if out.finished and self._at_cut(out, key):
+                self.cut_off.append(out.request_id)  # continued under the next version
+            elif out.finished:
                 completion = self._completion(out, key)
                 if completion is None:
                     self.aborted += 1
                 else:
                     self.got[key] = completion
+
+    def _at_cut(self, out, key) -> bool:
+        """Whether a finished request ended at the fixed cut (its first span full, its response not)."""
+        return (self.cut is not None and out.outputs[0].finish_reason == "length" and self.partial.spans(*key) == 1
+                and len(self.partial.tokens(*key)) < self.params.max_tokens)
 
     def _completion(self, out, key) -> Optional[Completion]:
         i, j = key
