@@ -7,7 +7,10 @@ spell of the machine hits every arm. Per arm: the median s/iteration over every 
 but each run's first (engine warm-up), its interquartile range, the ratio to the first arm, and the
 median of each phase's ``timing/*_s`` (rollout, reward, old_logprob, calibration, ref_logprob,
 update, sync). The rollout differs between arms only as much as their policies do; the trainer
-phases (old_logprob to sync) are where ALP's own cost lives, so their sum is compared too.
+phases (old_logprob to sync) are where ALP's own cost lives, so their sum is compared too. The
+old-policy and reference passes are the same unperturbed work in every arm: the spread of their
+times between arms is the machine's noise, and the update measured in units of them (per iteration)
+is the estimate that survives a loaded machine.
 
 ``--mode update``: in one process, one learner per arm on the same weights (a tiny qwen2 of
 ``--tiny-config``, 104M parameters by default), each doing one iteration's policy update
@@ -387,6 +390,13 @@ def iteration_main(args) -> None:
             got = _iteration_rows(run_dir)[1:]
             rows[arm] += got
             print(f"round {r} {arm:<10} " + " ".join(f"{x['timing/total_s']:.2f}" for x in got), flush=True)
+    iteration_report(args.arms, rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "iterations": rows}, indent=1, default=str))
+
+
+def iteration_report(arms: list[str], rows: dict[str, list[dict]]) -> None:
+    """The side-by-side tables of ``rows``: per arm, the metrics records of its timed iterations."""
 
     def phase(arm, name):
         return [x.get(f"timing/{name}_s", 0.0) for x in rows[arm]]
@@ -394,17 +404,27 @@ def iteration_main(args) -> None:
     def trainer_s(arm):
         return [sum(x.get(f"timing/{p}_s", 0.0) for p in TRAINER_PHASES) for x in rows[arm]]
 
-    first = args.arms[0]
-    _table(args.arms, {a: phase(a, "total") for a in args.arms}, "s per iteration")
-    _table(args.arms, {a: trainer_s(a) for a in args.arms}, f"trainer phases: {' + '.join(TRAINER_PHASES)}")
-    print(f"\nmedian seconds per phase\n{'phase':<12}" + "".join(f"{a:>12}" for a in args.arms)
-          + "".join(f"{a + ' - ' + first:>22}" for a in args.arms[1:]))
+    first = arms[0]
+    _table(arms, {a: phase(a, "total") for a in arms}, "s per iteration")
+    _table(arms, {a: trainer_s(a) for a in arms}, f"trainer phases: {' + '.join(TRAINER_PHASES)}")
+    print(f"\nmedian seconds per phase\n{'phase':<12}" + "".join(f"{a:>12}" for a in arms)
+          + "".join(f"{a + ' - ' + first:>22}" for a in arms[1:]))
     for name in PHASES:
-        med = {a: statistics.median(phase(a, name)) for a in args.arms}
-        print(f"{name:<12}" + "".join(f"{med[a]:12.3f}" for a in args.arms)
-              + "".join(f"{med[a] - med[first]:+22.3f}" for a in args.arms[1:]))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "iterations": rows}, indent=1, default=str))
+        med = {a: statistics.median(phase(a, name)) for a in arms}
+        print(f"{name:<12}" + "".join(f"{med[a]:12.3f}" for a in arms)
+              + "".join(f"{med[a] - med[first]:+22.3f}" for a in arms[1:]))
+    # The old-policy and reference passes are the same unperturbed work in every arm, seconds before the
+    # update: the update's time in units of theirs cancels most of a loaded machine's slowdown.
+    units = {a: [u / max(o + f, 1e-9) for u, o, f in zip(phase(a, "update"), phase(a, "old_logprob"),
+                                                          phase(a, "ref_logprob"))] for a in arms}
+    share = statistics.median(u / t for u, t in zip(phase(first, "update"), phase(first, "total")))
+    print(f"\nupdate / (old_logprob + ref_logprob), per iteration (the same unperturbed passes in every arm); "
+          f"the update is {share:.1%} of {first}'s iteration")
+    for arm in arms:
+        q1, med, q3 = _quartiles(units[arm])
+        extra = med / statistics.median(units[first]) - 1
+        print(f"{arm:<12} median {med:.4f} (q1 {q1:.4f}, q3 {q3:.4f}): update {extra:+.2%} vs {first}, "
+              f"iteration {extra * share:+.2%}")
 
 
 def _status_kib(field: str) -> int:
