@@ -1,4 +1,24 @@
-"""What ALP costs a training step: time and memory of forward + backward, unperturbed vs ALP.
+"""What ALP costs: a training step, a policy update and a whole training iteration, side by side.
+
+``--mode iteration``: whole ``megatron-alp train`` iterations of ``--config`` (the CPU quickstart),
+one run per arm (``--arms``: losses, default GRPO, Token-ALP, Seq-ALP) from one shared warm-started
+base model with the same seed and data, in ``--rounds`` rounds whose arm order rotates, so a slow
+spell of the machine hits every arm. Per arm: the median s/iteration over every round's iterations
+but each run's first (engine warm-up), its interquartile range, the ratio to the first arm, and the
+median of each phase's ``timing/*_s`` (rollout, reward, old_logprob, calibration, ref_logprob,
+update, sync). The rollout differs between arms only as much as their policies do; the trainer
+phases (old_logprob to sync) are where ALP's own cost lives, so their sum is compared too. The
+old-policy and reference passes are the same unperturbed work in every arm: the spread of their
+times between arms is the machine's noise, and the update measured in units of them (per iteration)
+is the estimate that survives a loaded machine.
+
+``--mode update``: in one process, one learner per arm on the same weights (a tiny qwen2 of
+``--tiny-config``, 104M parameters by default), each doing one iteration's policy update
+(``trainer.updates_per_iteration`` optimizer steps: forward, backward, optimizer step) on the same
+synthetic rollout batch of ``--config``'s size; the arms alternate in ``--reps`` rounds. For a model
+whose whole iteration is too slow on a few cores.
+
+``--mode step`` (the default): one forward + backward, unperturbed vs ALP on every layer.
 
 One model and one batch (a random Megatron-Core GPT built by the project's builder, Qwen3 layout,
 one rank in a 1-process group), three variants of the same step:
@@ -29,6 +49,9 @@ The issue's targets: time <= 1.02x and memory <= 1.01x of the unperturbed step.
     python benchmarks/bench_alp_overhead.py --threads 1                     # CPU, fp32, hidden 256 x 4 layers
     python benchmarks/bench_alp_overhead.py --device cuda --dtype bf16 --hidden 2048 --layers 16 \\
         --seq 4096 --batch 1                                                # ~1B model, TE spec if importable
+    python benchmarks/bench_alp_overhead.py --mode iteration --rounds 3 --iterations 6   # quickstart, ~10 min
+    python benchmarks/bench_alp_overhead.py --mode update --reps 6 trainer.prompts_per_iteration=4 \\
+        rollout.sampling.n=4 trainer.updates_per_iteration=1 trainer.micro_batch_size=16   # 104M, ~5 min
 """
 
 from __future__ import annotations
@@ -37,6 +60,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -45,13 +69,37 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from train_run import train  # noqa: E402  (benchmarks/ is not a package)
 
 VARIANTS = ("unperturbed", "alp-saved-eps", "alp-regen-eps")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# the 104M qwen2 of bench_sync (docs/scaling.md)
+MODEL_100M = ('{"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12, '
+              '"num_key_value_heads": 4}')
+PHASES = ("rollout", "reward", "old_logprob", "calibration", "ref_logprob", "update", "sync")
+TRAINER_PHASES = PHASES[2:]
+# every run: no validation or checkpoint inside the timed iterations, the arm's own perturbation
+RUN_KEYS = ["trainer.eval_interval=0", "trainer.validate_base=false", "trainer.save_interval=100000",
+            "trainer.progress_bar=false", "perturbation.enabled=null"]
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--mode", choices=["step", "update", "iteration"], default="step")
+    p.add_argument("--config", type=Path, default=ROOT / "configs" / "quickstart_cpu.yaml",
+                   help="update, iteration: the run's config")
+    p.add_argument("--arms", nargs="+", default=["grpo", "alp_token", "alp_seq"],
+                   help="update, iteration: loss.name of each arm; ratios are to the first")
+    p.add_argument("--rounds", type=int, default=3, help="iteration: runs per arm")
+    p.add_argument("--iterations", type=int, default=6, help="iteration: iterations per run (the first is not timed)")
+    p.add_argument("--out", type=Path, default=Path("/tmp/bench_alp_overhead"),
+                   help="update, iteration: the model and the runs")
+    p.add_argument("--tiny-config", default=MODEL_100M, help="update: the tiny qwen2's sizes (JSON)")
+    p.add_argument("--prompt-len", type=int, default=40, help="update: prompt tokens of every synthetic row")
+    p.add_argument("--response-len", type=int, default=24, help="update: longest response (1..this, uniform)")
+    p.add_argument("overrides", nargs="*", help="update, iteration: KEY=VALUE config overrides for every arm")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--hidden", type=int, default=256)
@@ -218,6 +266,167 @@ class Bench:
         return statistics.median(times[2:])
 
 
+class UpdateBench:
+    """One iteration's policy update (``trainer.updates_per_iteration`` optimizer steps) on one
+    synthetic rollout batch of the config's size, by one learner per arm on the same weights."""
+
+    def __init__(self, args):
+        import torch
+
+        from megatron_alp.commands.context import one_process
+        from megatron_alp.data.prompts import load_tokenizer, pad_id
+        from megatron_alp.models.families import hf_to_megatron, load_hf_config
+        from megatron_alp.models.tiny import make_tiny_model
+        from megatron_alp.resolve import load_config
+        from megatron_alp.training.learner import Learner
+        from megatron_alp.training.rl_batch import RLBatch
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        self.process = one_process(0)
+        self.process.__enter__()
+        model_dir = args.out / "model"
+        if not (model_dir / "config.json").is_file():
+            make_tiny_model("qwen2", model_dir, seed=0, **json.loads(args.tiny_config))
+        hf_args = hf_to_megatron(load_hf_config(model_dir))
+        pad = pad_id(load_tokenizer(model_dir))
+        common = ["model.tiny=null", f"model.hf_path={model_dir}", "trainer.sft_warmup_steps=0",
+                  "perturbation.enabled=null", *args.overrides]
+        self.learners = {}
+        for arm in args.arms:
+            cfg = load_config(args.config, [*common, f"loss.name={arm}"])
+            self.learners[arm] = Learner.from_weights(hf_args, cfg, model_dir, pad, perturbation=cfg.perturbation,
+                                                      optimizer_state=False)
+        t = cfg.trainer
+        self.rows = t.prompts_per_iteration * cfg.rollout.sampling.n
+        self.sizes = [self.rows // t.updates_per_iteration] * t.updates_per_iteration
+        self.params = sum(p.numel() for p in self.learners[args.arms[0]].module.parameters())
+        g = torch.Generator().manual_seed(0)
+        width = args.prompt_len + args.response_len
+        lengths = args.prompt_len + torch.randint(1, args.response_len + 1, (self.rows,), generator=g)
+        pos = torch.arange(width)
+        tokens = torch.randint(3, hf_args.vocab_size, (self.rows, width), generator=g)
+        tokens = torch.where(pos < lengths[:, None], tokens, pad)
+        mask = ((pos >= args.prompt_len - 1) & (pos < lengths[:, None] - 1)).float()
+        rollout = -2 * torch.rand(self.rows, width, generator=g) * mask
+        targets = torch.nn.functional.pad(tokens[:, 1:], (0, 1), value=pad)
+        self.batch = RLBatch(tokens, targets, mask, rollout, torch.randn(self.rows, generator=g), lengths,
+                             old_logprobs=rollout + 0.01 * mask, ref_logprobs=rollout - 0.01 * mask)
+        self.tokens = int(lengths.sum())
+
+    def timed(self, arm: str) -> tuple[float, float]:
+        """Wall and CPU seconds (this process, all threads) of one update."""
+        t, c = time.perf_counter(), time.process_time()
+        self.learners[arm].update(self.batch, self.sizes)
+        return time.perf_counter() - t, time.process_time() - c
+
+
+def _quartiles(xs: list[float]) -> tuple[float, float, float]:
+    q1, med, q3 = statistics.quantiles(xs, n=4) if len(xs) > 1 else (xs[0],) * 3
+    return q1, statistics.median(xs), q3
+
+
+def _table(arms: list[str], times: dict[str, list[float]], what: str) -> None:
+    """Per arm: median, quartiles, the ratio of medians to the first arm's, and the median and
+    quartiles of the paired ratios (entry k of an arm over entry k of the first: same round, same
+    iteration, so a slow spell of the machine cancels)."""
+    first = arms[0]
+    print(f"\n{'arm':<12} {'median':>10} {'q1':>9} {'q3':>9} {'n':>4} {'x ' + first:>9}   "
+          f"{'paired x':>9} {'q1':>7} {'q3':>7}   ({what})")
+    ref = statistics.median(times[first])
+    for arm in arms:
+        q1, med, q3 = _quartiles(times[arm])
+        p1, pmed, p3 = _quartiles([a / b for a, b in zip(times[arm], times[first])])
+        print(f"{arm:<12} {med:9.3f}s {q1:8.3f}s {q3:8.3f}s {len(times[arm]):>4} {med / ref:9.4f}   "
+              f"{pmed:9.4f} {p1:7.4f} {p3:7.4f}")
+
+
+def update_main(args) -> None:
+    bench = UpdateBench(args)
+    print(f"model: qwen2 {args.tiny_config}, {bench.params / 1e6:.1f}M parameters; batch: {bench.rows} rows, "
+          f"{bench.tokens} tokens, {len(bench.sizes)} optimizer steps of {bench.sizes[0]} rows; "
+          f"{args.warmup} warm-up + {args.reps} timed rounds, arms alternating")
+    wall, cpu = {a: [] for a in args.arms}, {a: [] for a in args.arms}
+    for r in range(args.warmup + args.reps):
+        k = r % len(args.arms)
+        for arm in args.arms[k:] + args.arms[:k]:
+            w, c = bench.timed(arm)
+            if r >= args.warmup:
+                wall[arm].append(w)
+                cpu[arm].append(c)
+    _table(args.arms, wall, "wall s per iteration's update")
+    _table(args.arms, cpu, "CPU s per iteration's update: the work, less sensitive to a loaded machine")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "wall_s": wall, "cpu_s": cpu}, indent=1, default=str))
+    bench.process.__exit__(None, None, None)
+
+
+def _iteration_rows(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("iteration", -1) >= 0]
+
+
+def iteration_main(args) -> None:
+    from megatron_alp.resolve import load_config
+    from megatron_alp.trainer.base_model import make_base_model
+
+    base = args.out / "base_model"
+    if not (base / "config.json").is_file():
+        cfg = load_config(args.config, [f"trainer.output_dir={args.out}", "perturbation.enabled=null",
+                                        *args.overrides])
+        make_base_model(cfg, base)
+    print(f"{args.config.name}: arms {' '.join(args.arms)}, {args.rounds} rounds x {args.iterations} iterations "
+          f"(the first of each run not timed), arm order rotating; base model {base}")
+    rows = {a: [] for a in args.arms}
+    for r in range(args.rounds):
+        k = r % len(args.arms)
+        for arm in args.arms[k:] + args.arms[:k]:
+            run_dir = args.out / f"{arm}-round{r}"
+            shutil.rmtree(run_dir, ignore_errors=True)
+            run_dir.mkdir(parents=True)
+            train(args.config, run_dir, ["model.tiny=null", f"model.hf_path={base}", "trainer.sft_warmup_steps=0",
+                                         f"loss.name={arm}", f"trainer.iterations={args.iterations}", *RUN_KEYS,
+                                         *args.overrides])
+            got = _iteration_rows(run_dir)[1:]
+            rows[arm] += got
+            print(f"round {r} {arm:<10} " + " ".join(f"{x['timing/total_s']:.2f}" for x in got), flush=True)
+    iteration_report(args.arms, rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "iterations": rows}, indent=1, default=str))
+
+
+def iteration_report(arms: list[str], rows: dict[str, list[dict]]) -> None:
+    """The side-by-side tables of ``rows``: per arm, the metrics records of its timed iterations."""
+
+    def phase(arm, name):
+        return [x.get(f"timing/{name}_s", 0.0) for x in rows[arm]]
+
+    def trainer_s(arm):
+        return [sum(x.get(f"timing/{p}_s", 0.0) for p in TRAINER_PHASES) for x in rows[arm]]
+
+    first = arms[0]
+    _table(arms, {a: phase(a, "total") for a in arms}, "s per iteration")
+    _table(arms, {a: trainer_s(a) for a in arms}, f"trainer phases: {' + '.join(TRAINER_PHASES)}")
+    print(f"\nmedian seconds per phase\n{'phase':<12}" + "".join(f"{a:>12}" for a in arms)
+          + "".join(f"{a + ' - ' + first:>22}" for a in arms[1:]))
+    for name in PHASES:
+        med = {a: statistics.median(phase(a, name)) for a in arms}
+        print(f"{name:<12}" + "".join(f"{med[a]:12.3f}" for a in arms)
+              + "".join(f"{med[a] - med[first]:+22.3f}" for a in arms[1:]))
+    # The old-policy and reference passes are the same unperturbed work in every arm, seconds before the
+    # update: the update's time in units of theirs cancels most of a loaded machine's slowdown.
+    units = {a: [u / max(o + f, 1e-9) for u, o, f in zip(phase(a, "update"), phase(a, "old_logprob"),
+                                                          phase(a, "ref_logprob"))] for a in arms}
+    share = statistics.median(u / t for u, t in zip(phase(first, "update"), phase(first, "total")))
+    print(f"\nupdate / (old_logprob + ref_logprob), per iteration (the same unperturbed passes in every arm); "
+          f"the update is {share:.1%} of {first}'s iteration")
+    for arm in arms:
+        q1, med, q3 = _quartiles(units[arm])
+        extra = med / statistics.median(units[first]) - 1
+        print(f"{arm:<12} median {med:.4f} (q1 {q1:.4f}, q3 {q3:.4f}): update {extra:+.2%} vs {first}, "
+              f"iteration {extra * share:+.2%}")
+
+
 def _status_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -255,6 +464,12 @@ def _mib(n) -> str:
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    if args.mode == "update":
+        return update_main(args)
+    if args.mode == "iteration":
+        return iteration_main(args)
+    if args.overrides:
+        raise SystemExit(f"--mode step takes no config overrides (got {' '.join(args.overrides)})")
     if args.rss_child:
         return rss_child(args)
     bench = Bench(args)

@@ -6,6 +6,7 @@ import pytest
 from megatron_alp.plan.phases import PHASES
 from megatron_alp.plan.shape import RunShape
 from megatron_alp.resolve import config_from_dict
+from megatron_alp.trainer.trainer import RLTrainer
 
 TINY = {"model": {"tiny": "qwen2"}}
 
@@ -82,3 +83,53 @@ def test_the_shape_refuses_an_unresolved_config():
 
     with pytest.raises(ValueError, match="resolved config"):
         RunShape.of(validate_schema(TINY))
+
+
+class _Learner:
+    """Counts the passes the trainer asks for."""
+    reference = None
+
+    def __init__(self):
+        self.passes = []
+
+    def old_pass(self, local):
+        self.passes.append("old")
+
+
+class _Calibrator:
+    def __init__(self, shape: RunShape, learner: _Learner):
+        self.shape, self.learner = shape, learner
+
+    def due(self, iteration: int) -> bool:
+        return self.shape.calibrates(iteration)
+
+    def calibrate(self, local, iteration, divergence) -> dict:
+        self.learner.passes.append("calibrate")
+        return {}
+
+
+def passes_per_iteration(iterations: int, **sections) -> list[list[str]]:
+    """The logprob passes ``RLTrainer._logprob_passes`` runs in each iteration of a config."""
+    trainer = RLTrainer.__new__(RLTrainer)
+    trainer.shape, trainer.learner = shape(**sections), _Learner()
+    trainer.calibrator = _Calibrator(trainer.shape, trainer.learner)
+    out = []
+    for i in range(iterations):
+        trainer.iteration, trainer.learner.passes = i, []
+        trainer._logprob_passes(None, {}, None)
+        out.append(trainer.learner.passes)
+    return out
+
+
+@pytest.mark.parametrize("sections, expected", [
+    # ALP's one ratio is perturbed train / rollout: without mismatch metrics or calibration, no extra pass
+    ({"loss": {"name": "alp_token", "kl_coef": 0.0}, "trainer": QUIET}, [[], [], []]),
+    # the default mismatch metrics run the old pass for ALP too, so ALP and GRPO run the same passes
+    ({"loss": {"name": "alp_token", "kl_coef": 0.0}}, [["old"]] * 3),
+    ({"loss": {"name": "grpo", "kl_coef": 0.0}, "trainer": QUIET}, [["old"]] * 3),
+    # a calibration needs the old pass, only in the iterations it runs
+    ({"loss": {"name": "alp_token", "kl_coef": 0.0}, "trainer": QUIET, "perturbation": {"init_std": "auto"}},
+     [["old", "calibrate"], [], []]),
+])
+def test_an_alp_iteration_runs_the_old_pass_only_when_something_reads_it(sections, expected):
+    assert passes_per_iteration(3, **sections) == expected
