@@ -28,15 +28,18 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
-import psutil
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_kill_soak import MARKER, kill_job  # noqa: E402  (benchmarks/ is not a package)
+
+TOKEN = uuid.uuid4().hex  # in the environment of every process this benchmark starts: what a kill takes down
 QUICKSTART = ROOT / "configs" / "quickstart_cpu.yaml"
 COMMON = ["trainer.progress_bar=false", "trainer.tensorboard=false", "trainer.validate_base=false",
           "trainer.prompts_per_iteration=16", "trainer.updates_per_iteration=2", "trainer.eval_interval=0",
@@ -56,7 +59,7 @@ MOMENTS = [(1, "rollout"), (1, "logprob"), (1, "policy_update"), (1, "weight_syn
 def start(run: Path, overrides: list[str], log) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "megatron_alp.cli", "train", str(QUICKSTART), f"trainer.output_dir={run}",
            *COMMON, *overrides]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", MARKER: TOKEN}
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -108,20 +111,6 @@ def heartbeat(run: Path) -> dict:
         return {}
 
 
-def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL the launcher and every process under it (trainer, engine core) at once."""
-    try:
-        procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        procs = []
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    proc.wait()
-
-
 def kill_at(run: Path, overrides: list[str], iteration: int, phase: str, timeout_s: float = 900) -> str:
     """Start ``run``, SIGKILL it at the moment; what rank 0 was doing then."""
     with open(run / "killed.log", "w") as log:
@@ -139,7 +128,7 @@ def kill_at(run: Path, overrides: list[str], iteration: int, phase: str, timeout
         if proc.poll() is not None:
             raise SystemExit(f"{run.name} ended before its kill (exit {proc.returncode}): see {run / 'killed.log'}")
         beat = heartbeat(run)
-        kill_tree(proc)
+        kill_job(proc, TOKEN, run)  # the trainer and its engine at once
     return f"{beat.get('phase', '?')} of iteration {beat.get('iteration', '?')}"
 
 
