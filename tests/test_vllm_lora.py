@@ -69,6 +69,9 @@ class _SwitchAfter:
         self.asked += 1
         return self.version == 0 and self.asked > self.steps
 
+    def cut_after(self):
+        return None  # cut where requested() says
+
     def pause(self):
         self.engine.update_adapter(*self.adapter)
         self.version = 1
