@@ -70,11 +70,12 @@ def child(mode: str, src: str, dst: str, shard_bytes: int) -> dict:
     """Runs in a fresh process: set up, take the baseline, convert, report peaks."""
     import torch
 
-    from checkpoint_tools import build_model, parallel_config
+    from checkpoint_tools import parallel_config
     from megatron_alp.models.hf_weights import iter_hf_weights, local_params, open_hf_checkpoint
     from megatron_alp.models.sharding import shard
     from megatron_alp.runtime.parallel import init_distributed
     from megatron_alp.training.dist_checkpoint import load_checkpoint, read_metadata, save_checkpoint
+    from megatron_alp.training.export import weightless_model
 
     par = parallel_config(1, 1, 1, moe=False)
     init_distributed(par)
@@ -93,7 +94,7 @@ def child(mode: str, src: str, dst: str, shard_bytes: int) -> dict:
             full = {}
             for f in sorted(set(ckpt.location.values())):
                 full.update(load_file(str(f)))
-            model = build_model(hf_config, par, "bfloat16", "local", source=src)
+            model = weightless_model(hf_config, par, "bfloat16", "local", source=src)
             with torch.no_grad():
                 for p in local_params(model, mapping):
                     t = mapping.to_mcore(p.match, [full[n] for n in p.match.hf_names])
@@ -106,7 +107,7 @@ def child(mode: str, src: str, dst: str, shard_bytes: int) -> dict:
             convert(src, dst, par, layer_spec="local", max_shard_bytes=shard_bytes)
         else:
             meta = read_metadata(src)
-            model = build_model(meta["hf_config"], par, meta["dtype"], "local", source=src)
+            model = weightless_model(meta["hf_config"], par, meta["dtype"], "local", source=src)
             load_checkpoint(src, model)
             state = {n: t.clone() for n, t in iter_hf_weights(model)}
             Path(dst).mkdir()

@@ -41,6 +41,15 @@ def test_config_loads(path):
     assert cfg.trainer.output_dir
 
 
+@pytest.mark.parametrize("path", [p for p in CONFIGS if p not in PAPER], ids=lambda p: p.name)
+def test_a_quickstart_switches_loss_by_its_name_alone(path):
+    """The quickstarts leave perturbation.enabled to the loss, so `loss.name=grpo` runs the
+    baseline rather than being refused as ALP under a baseline's name."""
+    assert load_config(path, gpu=False).perturbation.enabled  # its ALP loss perturbs
+    for name in ("grpo", "token_tis", "cispo"):
+        assert load_config(path, [f"loss.name={name}"], gpu=False).perturbation.enabled is False, name
+
+
 @pytest.mark.parametrize("path", PAPER, ids=lambda p: p.name)
 def test_paper_settings(path):
     cfg = load_config(path)
