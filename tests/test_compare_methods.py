@@ -137,3 +137,60 @@ def test_finished_needs_final_validation():
     assert cm.finished(rows, 4)
     assert not cm.finished(rows, 5)  # a longer matrix
     assert not cm.finished(rows[:-1], 4)  # killed before the last iteration
+
+
+def test_parse_stress():
+    assert cm.parse_stress("sync").overrides == ("trainer.max_staleness=0",)
+    stale = cm.parse_stress("stale:8")
+    assert set(stale.overrides) == {"rollout.placement=separate", "trainer.max_staleness=8"}
+    assert stale.dirname == "stale-8"
+    assert cm.parse_stress("updates:16").overrides == ("trainer.updates_per_iteration=16",)
+    for text, word in [("sync:2", "no value"), ("stale", "K >= 1"), ("stale:0", "K >= 1"), ("stale:x", "K >= 1"),
+                       ("updates:-1", "N >= 1"), ("hot", "unknown stressor")]:
+        with pytest.raises(ValueError, match=word):
+            cm.parse_stress(text)
+    # every key a stressor sets is one a matrix-wide override may not set
+    for name, (_, letter, make) in cm.STRESSORS.items():
+        for item in cm.parse_stress(name if letter is None else f"{name}:3").overrides:
+            assert item.partition("=")[0] in cm.CELL_KEYS, item
+
+
+def test_stress_cli(capsys):
+    args = cm.parse_args(["--stress", "sync", "stale:2", "--control", "sync/fp32/grpo"])
+    assert [s.label for s in args.stress] == ["sync", "stale:2"]
+    assert [s.label for s in cm.parse_args([]).stress] == ["sync"]
+    for argv, word in [(["--stress", "stale:2", "stale:2"], "twice"), (["trainer.max_staleness=2"], "--stress"),
+                       (["rollout.placement=separate"], "--stress"), (["--control", "grpo"], "STRESS/PRECISION/ARM")]:
+        with pytest.raises(SystemExit):
+            cm.parse_args(argv)
+        assert word in capsys.readouterr().err, argv
+
+
+def test_paired_differences_by_seed():
+    arm = {1: {"val_final": 0.30}, 2: {"val_final": 0.20}, 3: {"val_final": 0.50}}
+    ref = {1: {"val_final": 0.25}, 2: {"val_final": 0.10}, 4: {"val_final": 0.90}}
+    d = [0.30 - 0.25, 0.20 - 0.10]  # seeds 1 and 2 only: 3 and 4 are unpaired
+    mean, half, n = cm.paired_ci95(arm, ref)
+    assert n == 2 and mean == pytest.approx(sum(d) / 2)
+    assert half == pytest.approx(12.706 * statistics.stdev(d) / math.sqrt(2), rel=1e-3)
+    assert cm.paired_ci95(arm, {})[2] == 0
+
+
+def test_sweep_table_pairs_with_control_and_grpo():
+    def cell(vals):
+        runs = {s: cm.run_result(_rows({-1: 0.05, 3: v})) for s, v in vals.items()}
+        return {**cm.aggregate(list(runs.values())), "runs": runs, "failed": 0}
+
+    cells = {"sync/fp32": {"grpo": cell({1: 0.5, 2: 0.4}), "alp_token": cell({1: 0.5, 2: 0.5})},
+             "stale:8/fp32": {"grpo": cell({1: 0.3, 2: 0.3}), "alp_token": cell({1: 0.4, 2: 0.35})}}
+    md = cm.markdown_table(cells, ["grpo", "alp_token"], list(cells), 4, "sync/fp32/grpo")
+    rows = {tuple(c.strip() for c in line.split("|")[1:4]): line for line in md.splitlines()
+            if line.startswith("| ") and "`" in line}
+    stale_alp = rows[("stale:8", "fp32", "`alp_token`")].split("|")
+    # minus control: (0.4 - 0.5, 0.35 - 0.4) -> mean -0.075; minus grpo: (0.4 - 0.3, 0.35 - 0.3) -> +0.075
+    assert stale_alp[5].strip().startswith("-0.075") and stale_alp[5].strip().endswith("(2)")
+    assert stale_alp[6].strip().startswith("+0.075")
+    control_row = rows[("sync", "fp32", "`grpo`")].split("|")
+    assert control_row[5].strip() == "-" and control_row[6].strip() == "-"  # itself
+    its, kl = cm.mean_series(list(cells["stale:8/fp32"]["grpo"]["runs"].values()), 2)
+    assert its == [0, 1, 2, 3] and kl == pytest.approx([1e-5] * 4)
