@@ -134,8 +134,7 @@ CELL_KEYS = {"trainer.output_dir": "--out", "trainer.iterations": "--iterations"
              "loss.name": "--arms", "perturbation.init_std": "--arms NAME:auto",
              "perturbation.calibration_mode": "--arms NAME:per_layer[_added]", "rollout.dtype": "--precisions",
              "rollout.quantization": "--precisions", "model.hf_path": "(the shared base model)",
-             "trainer.max_staleness": "--stress stale:K", "rollout.placement": "--stress stale:K",
-             "trainer.updates_per_iteration": "--stress updates:N"}
+             **{item.partition("=")[0]: "--stress" for _, _, make in STRESSORS.values() for item in make(1)}}
 
 # t(0.975, dof) for dof 1..30 (Student t, two-sided 95%); beyond, the Cornish-Fisher series of t_quantile
 T975 = [12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281, 2.2010, 2.1788,
@@ -161,7 +160,7 @@ class Level:
 
 @dataclass(frozen=True)
 class Arm(Level):
-    loss: str = ""
+    loss: str
 
 
 def parse_arm(text: str) -> Arm:
